@@ -1,0 +1,93 @@
+"""Start-up configuration: frozen dataclasses, validated once, logged as one JSON document.
+
+`EngineArgs` is what a user passes (LLM(...) keywords, CLI flags); the engine resolves it into
+an `EngineConfig` once the model is known (max_model_len, dtype, KV capacity). Nothing edits a
+config after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    # Bytes one token of KV takes across all layers (K and V); 0 when no model is attached.
+    bytes_per_token: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}.")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    served_model_name: str
+    dtype: str
+    dtype_reason: str
+    device: str
+    seed: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass
+class EngineArgs:
+    """User-facing settings with vLLM's names. None means "decide from the model/machine"."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "auto"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}."
+            )
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_tokens",
+                     "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")

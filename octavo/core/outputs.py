@@ -1,0 +1,41 @@
+"""What the runner returns to the scheduler, and what the scheduler hands to the output
+processor, once per step. Plain data, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one sampled position, from the raw model distribution."""
+
+    # The sampled token first, then the top-k tokens in descending order.
+    token_ids: list[int]
+    logprobs: list[float]
+    # 1-based rank of the sampled token in the full distribution.
+    sampled_rank: int
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    # Every request scheduled this step, in the runner's batch order.
+    req_ids: list[str]
+    # One list per request: the sampled token (empty for a prefill chunk that is not last).
+    sampled_token_ids: list[list[int]]
+    # Parallel to sampled_token_ids; None where the request did not ask for logprobs.
+    logprobs: list[list[TokenLogprobs] | None]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news from one step: tokens appended and, maybe, the end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    # "stop" | "length" | "abort" once the request has finished, else None.
+    finish_reason: str | None = None
+    # The stop token id that ended it (None for EOS or a length cap).
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

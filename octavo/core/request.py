@@ -1,0 +1,102 @@
+"""Request: the scheduler's record of one prompt and its one output stream.
+
+Only the scheduler mutates a Request. `n > 1` is fanned out by the engine into child requests
+before they get here, so every Request has exactly one output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from octavo.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every state after PREEMPTED is a finished one.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        """`max_tokens` is resolved by the engine: the user's value, or what max_model_len
+        leaves after the prompt. The caller has checked prompt + max_tokens fits."""
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # Prompt followed by output; kept as one list so the scheduler never concatenates.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose KV is in the cache (prefix hits included).
+        self.num_computed_tokens = 0
+        # Prefix-cache hits at first admission; -1 until then.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Chained hashes of this request's full blocks, extended as tokens arrive.
+        self.block_hashes: list[int] = []
+        # The token id or stop string that stopped the request, if any (not EOS).
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

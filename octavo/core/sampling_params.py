@@ -1,0 +1,121 @@
+"""SamplingParams: the per-request knobs a user sets, with vLLM's names, defaults and checks.
+
+Plain data, no torch. Invalid values raise ValueError naming the field and its value, before
+a request is ever admitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
+# temperature overflows, and the result would be argmax anyway.
+_GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Filled by the engine from the model's EOS ids (generation_config); not a user knob.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _GREEDY_TEMPERATURE_EPS:
+            # Greedy: the filters cannot change the argmax, so turn them off.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, value: object, must: str) -> ValueError:
+            return ValueError(f"{name} must be {must}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, value, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "0 or -1 (disabled), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", self.max_tokens, "at least 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", self.stop, "a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    raise bad("logit_bias", token_id, "keyed by non-negative token ids")
+                if not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", bias, "values in [-100, 100]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> SamplingParams:
+        """A copy for one child of an n > 1 request (lists copied, not shared)."""
+        params = SamplingParams(**{k: getattr(self, k) for k in _USER_FIELDS})
+        params.all_stop_token_ids = set(self.all_stop_token_ids)
+        return params
+
+
+_USER_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "all_stop_token_ids"]

@@ -1,0 +1,52 @@
+"""Plain data that crosses the scheduler -> runner -> scheduler boundary once per step.
+
+The runner keeps a persistent batch; these objects tell it what changed. A request is sent in
+full once (NewRequestData: on admission and again on resume after a preemption) and as deltas
+afterwards (CachedRequestData). No torch here: the runner turns this into tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (empty for a first admission). The runner
+    # recomputes their KV like prompt tokens, but penalties count them as output.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # All of the request's blocks, in order (prefix-cache hits first).
+    block_ids: list[int]
+    # Tokens whose KV is already in the cache (prefix hits); the step computes from here.
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    request_id: str
+    # Blocks appended to the request's block list since the last step.
+    new_block_ids: list[int]
+    # Tokens whose KV is in the cache before this step runs.
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # request_id -> tokens run this step (a decode is 1, a prefill chunk is its length).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must drop from its batch: preempted this step (they come back later
+    # as NewRequestData) and finished or aborted since the last step.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
