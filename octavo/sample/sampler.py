@@ -1,0 +1,125 @@
+"""Sampler: one step's logits in, one token per row (and optionally logprobs) out.
+
+Owns the order in which the logits processors and filters run, the greedy/random split and the
+output types. Must not know about requests (rows only), must not copy results to the host (the
+runner does that once per step) and must not keep state between steps: everything per request
+arrives in SamplingMetadata, including the seeded generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.ops.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from octavo.sample.ops.penalties import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    pad_token_ids,
+)
+from octavo.sample.ops.topk_topp import (
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
+    random_sample,
+)
+
+__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    # (num_reqs,) int64
+    sampled_token_ids: Tensor
+    # Set when metadata.max_num_logprobs is not None.
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(nn.Module):
+    """Samples one token per row of (num_reqs, vocab) float32 logits. Steps, in order:
+
+    1) Logprobs, if any row asked: log_softmax of the raw logits, before anything below touches
+       them (vLLM's default "raw_logprobs").
+    2) Logit bias: each row's {token_id: bias} is added.
+    3) min_tokens: a row still below its min_tokens gets -inf on its EOS and stop ids.
+    4) Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and
+       presence over output tokens.
+    5) Greedy rows: argmax of the logits as processed so far. If every row is greedy, the sample
+       is done; nothing random runs.
+    6) Temperature: random rows are divided by theirs.
+    7) min-p, then 8) top-k, then 9) top-p: dropped tokens get -inf.
+    10) Random rows: softmax, then the exponential race (argmax of probs / Exp(1) noise), seeded
+        rows drawing their noise from their own generator.
+    11) Greedy and random rows are combined with torch.where on temperature == 0.
+    12) Logprobs: the top max_num_logprobs of the raw distribution, with the sampled token's
+        logprob and 1-based rank in front.
+
+    Steps 2-4 can change the argmax, so they come before the greedy pick; 6-9 cannot, so greedy
+    rows skip them. `logits` is modified in place.
+    """
+
+    def forward(self, logits: Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: (num_reqs, vocab) float32, one row per request being sampled, in the row
+        order of `metadata`. May modify logits in place. Raises ValueError for a logit_bias id
+        or a max_num_logprobs outside the vocabulary."""
+        # Every op below assumes float32 (min-p's log threshold, -inf fills, bias values); a
+        # half-precision caller pays one copy here rather than silent precision loss.
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        # 1)
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = compute_logprobs(logits)
+        # 2) - 4)
+        self.apply_logits_processors(logits, metadata)
+        # 5) - 11)
+        sampled_token_ids = self.sample(logits, metadata)
+        # 12)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled_token_ids)
+        return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> None:
+        """Steps 2-4, in place: bias, min_tokens, penalties. Each is skipped when no row uses it."""
+        apply_logit_bias(logits, metadata.logit_bias)
+        apply_min_tokens(logits, metadata.min_tokens_stop_ids)
+        if metadata.has_penalties:
+            vocab_size = logits.shape[1]
+            # (num_reqs, max_output_len), padded with vocab_size like prompt_token_ids.
+            output_token_ids = pad_token_ids(metadata.output_token_ids, vocab_size, logits.device)
+            apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                output_token_ids,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+
+    @staticmethod
+    def sample(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
+        """Steps 5-11: (num_reqs,) int64 token ids. Overwrites `logits` on the random path."""
+        greedy = None
+        if not metadata.all_random:
+            # 5) Taken before temperature and the filters rewrite the logits.
+            greedy = logits.argmax(dim=1)
+            if metadata.all_greedy:
+                return greedy
+        # 6) - 9)
+        apply_temperature(logits, metadata.temperature)
+        if metadata.min_p is not None:
+            apply_min_p(logits, metadata.min_p)
+        apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        # 10) (num_reqs, vocab)
+        probs = logits.softmax(dim=1)
+        sampled = random_sample(probs, metadata.generators)
+        if greedy is None:
+            return sampled
+        # 11)
+        return torch.where(metadata.temperature == 0.0, greedy, sampled)
