@@ -1,0 +1,361 @@
+"""Scheduler: decides each step which requests run how many tokens, and applies what the
+model sampled.
+
+It owns the waiting queue, the running list, every Request's state and the KV cache manager,
+and it is the only code that mutates a Request. It must not import torch or anything above
+`core`: the runner learns what to do only from the SchedulerOutput, and the scheduler learns
+what happened only from the ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.admission import AdmissionPolicy, CurrentPolicy
+from octavo.core.block_hash import extend_block_hashes
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from octavo.core.request import Request, RequestStatus
+from octavo.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from octavo.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call has decided so far; undone in part when a victim that was
+    already scheduled this step is preempted."""
+
+    token_budget: int
+    new_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Block ids appended this step to each scheduled running request.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def add_running(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+        self._add(request, num_new_tokens)
+        self.running_reqs.append(request)
+        self.new_block_ids[request.request_id] = block_ids
+
+    def add_new(self, request: Request, num_new_tokens: int) -> None:
+        self._add(request, num_new_tokens)
+        self.new_reqs.append(request)
+
+    def _add(self, request: Request, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        num_new_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
+        if num_new_tokens is None:
+            return
+        self.token_budget += num_new_tokens
+        self.running_reqs.remove(request)
+        del self.new_block_ids[request.request_id]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        policy: AdmissionPolicy | None = None,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.policy = policy if policy is not None else CurrentPolicy()
+        # Unfinished requests only; a request leaves when it finishes or is aborted.
+        self.requests: dict[str, Request] = {}
+        # FCFS; preempted requests go back to the front.
+        self.waiting: deque[Request] = deque()
+        # Admission order, oldest first.
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(), among those the runner holds.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # --- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already scheduled.")
+        if self.enable_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests in any state: FINISHED_ABORTED, blocks freed now, out of the queues.
+
+        Ids that are unknown or already finished are ignored. Requests the runner holds state
+        for (RUNNING, or PREEMPTED: it keeps a seeded request's generator) are reported in the
+        next SchedulerOutput.finished_req_ids. Returns the requests actually aborted.
+        """
+        aborted: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                self.finished_req_ids.add(request_id)
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            aborted.append(request)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        return aborted
+
+    # --- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        There is no prefill phase and no decode phase. Each request has `num_computed_tokens`
+        (KV in the cache) catching up with `num_tokens` (prompt + output so far); a step gives
+        it up to the difference, within one token budget (`max_num_batched_tokens`) shared by
+        every request. A request with all but one token computed is decoding and runs 1
+        token; any other runs a prompt chunk (or a recomputation after preemption).
+
+        1) RUNNING requests, oldest first. One that cannot get a block preempts the policy's
+           victim until it fits or is the victim itself.
+        2) WAITING requests, FCFS, unless step 1 preempted: prefix-cache hits first, then a
+           chunk that fits the budget. Stop at the first one that does not fit.
+        3) Build the output, then advance `num_computed_tokens` by what was scheduled, so
+           the output carries the counts from before this step.
+        """
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # A preemption says memory is short: admitting now would only preempt again.
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new_tokens
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # Iterate over a copy: preemption removes requests from self.running.
+        for request in list(self.running):
+            if plan.token_budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens, plan.token_budget
+            )
+            if num_new_tokens <= 0:
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if block_ids is not None:
+                plan.add_running(request, num_new_tokens, block_ids)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> list[int] | None:
+        """The request's new block ids, preempting victims as needed; None if it was itself
+        preempted."""
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if block_ids is not None:
+                return block_ids
+            victim = self.policy.select_victim(self.running)
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        # A victim scheduled earlier in this step gives back its tokens and block delta; its
+        # num_computed_tokens has not advanced yet, which free() relies on.
+        plan.unschedule(victim)
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        # Front of the queue: several victims in one step end up oldest first.
+        self.waiting.appendleft(victim)
+        plan.preempted_req_ids.add(victim.request_id)
+        logger.debug("preempted %s", victim.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
+            if not self.policy.can_admit(request, num_new_tokens, kv):
+                break
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            plan.add_new(request, num_new_tokens)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in plan.new_reqs
+        ]
+        cached_reqs = [
+            CachedRequestData(
+                request_id=request.request_id,
+                new_block_ids=plan.new_block_ids[request.request_id],
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in plan.running_reqs
+        ]
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            preempted_req_ids=set(plan.preempted_req_ids),
+            finished_req_ids=finished_req_ids,
+        )
+
+    # --- update -------------------------------------------------------------------------------
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, check token-level stops, free finished requests.
+
+        The only place tokens are appended. Per token: append; a stop token (once min_tokens
+        are out) finishes it as STOPPED; else reaching max_tokens or max_model_len finishes
+        it as LENGTH_CAPPED. Tokens after a stop are dropped. Returns one output per request
+        that got tokens; a prefill chunk that is not the last gets none. Requests aborted
+        since `schedule()` are skipped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        finished_any = False
+        for request_id, token_ids, logprobs in zip(
+            runner_output.req_ids,
+            runner_output.sampled_token_ids,
+            runner_output.logprobs,
+            strict=True,
+        ):
+            request = self.requests.get(request_id)
+            if not token_ids or request is None or request.status != RequestStatus.RUNNING:
+                continue
+            new_token_ids = self._append_tokens(request, token_ids)
+            if request.is_finished:
+                self._finish(request)
+                finished_any = True
+            elif self.enable_caching:
+                extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            finish_reason = request.finish_reason
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
+                    finish_reason=None if finish_reason is None else str(finish_reason),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        if finished_any:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append tokens one by one until a stop; returns those appended."""
+        params = request.sampling_params
+        for idx, token_id in enumerate(token_ids):
+            request.append_output_token_ids([token_id])
+            if (
+                request.num_output_tokens >= params.min_tokens
+                and token_id in params.all_stop_token_ids
+            ):
+                request.status = RequestStatus.FINISHED_STOPPED
+                # A user's stop token is reported; EOS is not (vLLM's stop_reason).
+                request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            elif (
+                request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if request.is_finished:
+                return token_ids[: idx + 1]
+        return list(token_ids)
+
+    def _finish(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id; None once it has finished or been aborted."""
+        return self.requests.get(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing changes) while any block is held."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert queues, request states and blocks agree: running requests hold blocks that
+        cover their computed tokens, waiting ones hold none, so with nothing running every
+        block is free."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        assert len(self.requests) == len(self.running) + len(self.waiting)
+        assert kv.req_to_blocks.keys() == {r.request_id for r in self.running}
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            assert self.requests[request.request_id] is request
+            num_block_tokens = len(kv.req_to_blocks[request.request_id]) * self.block_size
+            assert request.num_computed_tokens <= num_block_tokens, request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert self.requests[request.request_id] is request
+            assert request.num_computed_tokens == 0, request
+        if not self.running:
+            assert kv.num_free_blocks == kv.num_blocks

@@ -1,0 +1,202 @@
+"""KVCacheManager on its own: 10 blocks of 4 tokens, requests driven by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo.core.block_hash import extend_block_hashes
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request
+
+from .utils import make_request
+
+BLOCK_SIZE = 4
+
+
+def request(request_id: str, prompt: list[int]) -> Request:
+    return make_request(request_id, prompt, block_size=BLOCK_SIZE)
+
+
+def admit(kv: KVCacheManager, req: Request, num_new_tokens: int | None = None) -> list[int] | None:
+    """What the scheduler does for a waiting request: hits, then the rest as one chunk."""
+    blocks, num_hit_tokens = kv.get_computed_blocks(req)
+    if num_new_tokens is None:
+        num_new_tokens = req.num_tokens - num_hit_tokens
+    block_ids = kv.allocate_slots(req, num_new_tokens, blocks)
+    if block_ids is not None:
+        req.num_computed_tokens = num_hit_tokens + num_new_tokens
+    return block_ids
+
+
+def queue_ids(kv: KVCacheManager) -> list[int]:
+    return [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def finish(kv: KVCacheManager, *reqs: Request) -> None:
+    for req in reqs:
+        kv.free(req)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks and kv.req_to_blocks == {}
+
+
+def test_allocate_caches_full_blocks_of_known_tokens() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]
+    pool = kv.block_pool
+    assert [pool.blocks[i].block_hash for i in range(3)] == [*a.block_hashes, None]
+    assert kv.num_cached_blocks["a"] == 2
+    assert kv.usage == pytest.approx(0.3)
+    # Decode: positions 10 and 11 fit in block 2; block 2 is cached once token 11 is known.
+    a.append_output_token_ids([50])
+    assert kv.allocate_slots(a, 1) == []
+    a.num_computed_tokens = 11
+    a.append_output_token_ids([51])
+    extend_block_hashes(a.block_hashes, a.all_token_ids, BLOCK_SIZE)
+    assert kv.allocate_slots(a, 1) == []
+    assert pool.blocks[2].block_hash == a.block_hashes[2]
+    a.num_computed_tokens = 12
+    a.append_output_token_ids([52])
+    assert kv.allocate_slots(a, 1) == [3]
+    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    kv.check_integrity()
+    finish(kv, a)
+    # Freed in reverse: unhashed block 3 first in line, the cached tail before the head.
+    assert queue_ids(kv) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+
+
+def test_hits_never_cover_the_last_token() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(12)))
+    assert admit(kv, a) == [0, 1, 2]
+    # Same 8 tokens: the second block would cover the last token, so only one hit.
+    b = request("b", list(range(8)))
+    blocks, num_hit_tokens = kv.get_computed_blocks(b)
+    assert [blk.block_id for blk in blocks] == [0] and num_hit_tokens == 4
+    # One more token: both blocks hit, one token left to compute.
+    c = request("c", list(range(9)))
+    blocks, num_hit_tokens = kv.get_computed_blocks(c)
+    assert [blk.block_id for blk in blocks] == [0, 1] and num_hit_tokens == 8
+    assert admit(kv, c) == [0, 1, 3]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    # Lookups alone do not count; each admission adds its tokens once.
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12 + 9, 8)
+    finish(kv, a, c)
+
+
+def test_hit_stops_at_first_divergent_block_and_confirms_tokens() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(12)))
+    admit(kv, a)
+    b = request("b", [0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 12])
+    assert kv.get_computed_blocks(b)[1] == 4
+    # A forged key (same hashes, other tokens) is not a hit.
+    c = request("c", list(range(100, 113)))
+    c.block_hashes[:] = a.block_hashes
+    assert kv.get_computed_blocks(c) == ([], 0)
+    finish(kv, a)
+
+
+def test_allocation_failure_changes_nothing() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(28)))
+    assert admit(kv, a) == [0, 1, 2, 3, 4, 5, 6]
+    b = request("b", list(range(100, 116)))
+    assert admit(kv, b) is None
+    assert kv.num_free_blocks == 3 and "b" not in kv.req_to_blocks
+    assert kv.prefix_cache_queries == 28
+    kv.check_integrity()
+    finish(kv, a)
+
+
+def test_free_cached_hits_count_against_free_blocks() -> None:
+    """Regression: hits on free cached blocks leave the free queue too, so they must be
+    counted before get_new_blocks, which would otherwise run out (or evict the hit)."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(12)))
+    admit(kv, a)
+    kv.free(a)
+    b = request("b", list(range(100, 128)))
+    assert admit(kv, b) == [3, 4, 5, 6, 7, 8, 9]
+    assert queue_ids(kv) == [2, 1, 0]
+    # 3 hits (all free) + 1 new block > 3 free blocks.
+    c = request("c", list(range(13)))
+    assert kv.get_computed_blocks(c)[1] == 12
+    assert admit(kv, c) is None
+    assert queue_ids(kv) == [2, 1, 0]
+    # 12 tokens: 2 hits + 1 new block; the new one is the LRU front, block 2, evicted
+    # and cached again under the same key since its tokens are the same.
+    d = request("d", list(range(12)))
+    assert admit(kv, d) == [0, 1, 2]
+    assert kv.block_pool.blocks[2].block_hash == d.block_hashes[2] == a.block_hashes[2]
+    assert kv.num_free_blocks == 0
+    finish(kv, b, d)
+
+
+def test_free_uncaches_blocks_past_num_computed_tokens() -> None:
+    """Regression: a request unscheduled in the step that allocated for it leaves blocks whose
+    KV was never written; they must not stay cached."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(10)))
+    blocks, _ = kv.get_computed_blocks(a)
+    assert kv.allocate_slots(a, 10, blocks) == [0, 1, 2]
+    assert len(kv.block_pool.cached_block_map) == 2
+    # num_computed_tokens still 0: nothing was computed.
+    kv.free(a)
+    assert kv.block_pool.cached_block_map == {}
+    assert queue_ids(kv) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # Computed through token 5: block 0 is kept, block 1 (tokens 4-7) is not.
+    kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 6
+    kv.free(a)
+    assert list(kv.block_pool.cached_block_map) == [a.block_hashes[0]]
+    assert queue_ids(kv) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
+    finish(kv)
+
+
+def test_hits_on_blocks_in_use_share_them() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(10)))
+    b = request("b", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]
+    assert admit(kv, b) == [0, 1, 3]
+    assert kv.num_free_blocks == 6
+    kv.free(a)
+    # Blocks 0 and 1 are still held by b; only block 2 came back.
+    assert queue_ids(kv) == [2, 4, 5, 6, 7, 8, 9]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
+    finish(kv, b)
+    assert queue_ids(kv) == [3, 2, 4, 5, 6, 7, 8, 9, 1, 0]
+
+
+def test_caching_disabled() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=False)
+    a = make_request("a", list(range(10)))
+    b = make_request("b", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]
+    assert kv.get_computed_blocks(b) == ([], 0)
+    assert admit(kv, b) == [3, 4, 5]
+    assert kv.block_pool.cached_block_map == {}
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+    finish(kv, a, b)
+
+
+def test_reset_prefix_cache() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(10)))
+    admit(kv, a)
+    assert kv.reset_prefix_cache() is False
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.get_computed_blocks(request("b", list(range(10)))) == ([], 0)
+    finish(kv)
+
+
+def test_hits_only_at_admission() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    a = request("a", list(range(10)))
+    admit(kv, a)
+    blocks, _ = kv.get_computed_blocks(request("b", list(range(10))))
+    with pytest.raises(ValueError, match="already has KV"):
+        kv.allocate_slots(a, 1, blocks)
+    finish(kv, a)
