@@ -1,0 +1,80 @@
+"""Paged attention through `torch.nn.functional.scaled_dot_product_attention`.
+
+Two shapes of work, planned once per forward in AttentionMetadata:
+- every single-token (decode) request in one padded SDPA call: keys gathered from the cache into
+  (num_decodes, max_seq_len), padding hidden by a key mask;
+- each multi-token chunk in its own SDPA call: plain causal over this step's k/v when the chunk is
+  the whole sequence, else keys gathered from the cache with a causal mask shifted by the prefix.
+Decodes and chunks are kept apart because padding a decode to a chunk's query length (or a chunk
+to the longest one) would multiply the work. GQA is left to SDPA (`enable_gqa`). No host syncs:
+every shape comes from the metadata's Python ints. Must not write to the cache.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from octavo.model.attention.metadata import AttentionMetadata
+
+
+def sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads,
+    head_dim), this step's (already in the cache); kv_cache: (2, num_blocks, block_size,
+    num_kv_heads, head_dim). Returns (num_tokens, num_heads, head_dim) in query's dtype."""
+    key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
+    value_slots = kv_cache[1].flatten(0, 1)
+    decode = metadata.decode
+    if decode is not None and decode.token_idx is None:
+        # All rows are decodes in batch order: the decode output is the whole output.
+        return _decode(query, key_slots, value_slots, metadata, scale)
+
+    output = query.new_empty(query.shape)
+    if decode is not None:
+        decode_query = query.index_select(0, decode.token_idx)
+        output.index_copy_(
+            0, decode.token_idx, _decode(decode_query, key_slots, value_slots, metadata, scale)
+        )
+    for chunk in metadata.chunks:
+        chunk_query = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+        if chunk.kv_slots is None:
+            chunk_key, chunk_value = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
+        else:
+            chunk_key, chunk_value = key_slots[chunk.kv_slots], value_slots[chunk.kv_slots]
+        out = F.scaled_dot_product_attention(
+            chunk_query,
+            chunk_key.to(query.dtype).transpose(0, 1).unsqueeze(0),  # (1, Hkv, seq_len, D)
+            chunk_value.to(query.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # (1, H, q, D)
+        output[chunk.start : chunk.end] = out[0].transpose(0, 1)
+    return output
+
+
+def _decode(
+    query: Tensor, key_slots: Tensor, value_slots: Tensor, metadata: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """query: (num_decodes, H, D) -> (num_decodes, H, D)."""
+    decode = metadata.decode
+    keys = key_slots[decode.kv_slots].to(query.dtype)  # (num_decodes, max_len, Hkv, D)
+    values = value_slots[decode.kv_slots].to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # (num_decodes, H, 1, D)
+        keys.transpose(1, 2),  # (num_decodes, Hkv, max_len, D)
+        values.transpose(1, 2),
+        attn_mask=decode.key_mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # (num_decodes, H, 1, D)
+    return out.squeeze(2)

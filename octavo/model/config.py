@@ -1,0 +1,255 @@
+"""ModelConfig: the one description of a model's shape that the model code reads.
+
+Built once, from a Hugging Face `config.json` dict (plus `generation_config.json`) or from GGUF
+metadata, and frozen afterwards. Every architecture difference the model code needs (biases,
+per-head q/k norms, RoPE variant) is resolved here into plain fields, so model files never look
+at raw config dicts. This module must not import torch, the loader or anything that knows about
+requests: invalid or unsupported settings raise ValueError naming the key and its value, and the
+loader turns that into a ModelLoadError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# RoPE variants whose inverse frequencies octavo computes (HF `rope_type` names).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # HF semantics, always keyed by "rope_type"; None for plain RoPE.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Bias on q/k/v projections (Llama's `attention_bias`; always on for Qwen2).
+    attention_bias: bool
+    # Bias on o_proj (Llama and Qwen3 tie it to `attention_bias`; Qwen2 has none).
+    attention_out_bias: bool
+    mlp_bias: bool
+    # RMSNorm over head_dim applied to each q and k head before RoPE (Qwen3).
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # The dtype the checkpoint declares ("bfloat16", ...), for dtype="auto"; None if unknown.
+    checkpoint_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    # ---------------------------------------------------------------- Hugging Face config.json
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None
+    ) -> ModelConfig:
+        """Resolve an HF config dict (transformers 4 or 5 layout) into a ModelConfig.
+
+        Raises ValueError for a missing `architectures` entry, an unsupported activation or
+        RoPE type, or inconsistent head counts. The architecture itself is not checked here
+        (the registry decides what can be built).
+        """
+        architectures = config.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
+        architecture = architectures[0]
+        hidden_act = config.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu').")
+
+        num_heads = _required(config, "num_attention_heads")
+        hidden_size = _required(config, "hidden_size")
+        rope_theta, rope_scaling = _resolve_rope(config)
+        attention_bias = bool(config.get("attention_bias", False))
+        attention_out_bias = attention_bias
+        if architecture == "Qwen2ForCausalLM":
+            # Qwen2 always has q/k/v biases and never an o_proj bias; its config has no flag.
+            attention_bias, attention_out_bias = True, False
+
+        generation_config = generation_config or {}
+        # generation_config.json is what HF's generate() stops on; config.json is the fallback.
+        eos = _first_set(generation_config, config, "eos_token_id")
+        bos = _first_set(config, generation_config, "bos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=_required(config, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_required(config, "intermediate_size"),
+            num_hidden_layers=_required(config, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden_size // num_heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_max_positions(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            attention_out_bias=attention_out_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            bos_token_id=bos,
+            eos_token_ids=_as_id_tuple(eos),
+            checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
+        )
+
+    # ---------------------------------------------------------------- GGUF metadata
+
+    @classmethod
+    def from_gguf(
+        cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]
+    ) -> ModelConfig:
+        """Resolve GGUF key/value metadata into a ModelConfig.
+
+        `metadata` maps GGUF keys ("llama.block_count", ...) to scalar values; `tensor_shapes`
+        maps GGUF tensor names to their shapes in row-major (PyTorch) order. The shapes decide
+        what metadata may omit: the vocabulary size and whether embeddings are tied (no
+        `output.weight`). Raises ValueError for an unsupported `general.architecture`.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported "
+                f"(supported: {', '.join(GGUF_ARCHITECTURES)})."
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return metadata.get(f"{arch}.{key}", default)
+
+        if "token_embd.weight" not in tensor_shapes:
+            raise ValueError("GGUF file has no token_embd.weight tensor.")
+        # Missing keys stay None here; from_hf_config names the first required one absent.
+        hf: dict[str, Any] = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "vocab_size": get("vocab_size") or tensor_shapes["token_embd.weight"][0],
+            "hidden_size": get("embedding_length"),
+            "intermediate_size": get("feed_forward_length"),
+            "num_hidden_layers": get("block_count"),
+            "num_attention_heads": get("attention.head_count"),
+            "num_key_value_heads": get("attention.head_count_kv"),
+            "head_dim": get("attention.key_length"),
+            "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": get("rope.freq_base", 10000.0),
+            "max_position_embeddings": get("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in tensor_shapes,
+            # A GGUF file has biases exactly where it has bias tensors.
+            "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
+            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        }
+        scaling_type = get("rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            hf["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor")}
+        # llama.cpp stops on end-of-turn tokens as well as EOS; keep both, EOS first.
+        eos_ids = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
+        hf["eos_token_id"] = list(dict.fromkeys(i for i in eos_ids if i is not None))
+        config = cls.from_hf_config(hf)
+        if config.attention_out_bias and "blk.0.attn_output.bias" not in tensor_shapes:
+            # Llama-style configs tie the o_proj bias to the q/k/v one; GGUF says it directly.
+            config = dataclasses.replace(config, attention_out_bias=False)
+        return config
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _required(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ValueError(f"config is missing the required key {key!r}.")
+    return config[key]
+
+
+def _resolve_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either layout: transformers 5 writes one
+    `rope_parameters` dict holding rope_theta and rope_type; transformers 4 writes `rope_theta`
+    plus an optional `rope_scaling` dict whose type key may be "type" or "rope_type"."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
+        )
+    if rope_type == "default":
+        return float(theta), None
+    if params.get("factor") is None:
+        raise ValueError(f"rope_type={rope_type!r} needs a 'factor'.")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ValueError(f"rope_type='llama3' needs {key!r}.")
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def _max_positions(config: Mapping[str, Any]) -> int:
+    """max_position_embeddings, capped at the sliding window where one applies: octavo attends
+    over the whole context, which equals windowed attention only up to the window size."""
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    windowed = config.get("use_sliding_window", window is not None)
+    if windowed and window is not None and window < max_positions:
+        logger.warning(
+            "sliding_window=%d < max_position_embeddings=%d: capping the context at %d, below "
+            "which full attention is exact.", window, max_positions, window,
+        )
+        return int(window)
+    return max_positions
+
+
+def _first_set(first: Mapping[str, Any], second: Mapping[str, Any], key: str) -> Any:
+    value = first.get(key)
+    return second.get(key) if value is None else value
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

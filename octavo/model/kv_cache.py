@@ -1,0 +1,39 @@
+"""The paged KV cache tensors: their layout, allocation and size per token.
+
+One tensor per decoder layer, shape (2, num_blocks, block_size, num_kv_heads, head_dim):
+index 0 holds keys, 1 values; block b's slot o is token slot b * block_size + o, so
+`kv_cache[0].view(-1, num_kv_heads, head_dim)[slot]` is one token's keys. Keeping K and V of a
+layer in one allocation makes the cache one list the runner passes through, and the
+(block, offset, head, dim) order keeps one token's heads contiguous for the slot-wise writes.
+Which blocks belong to whom is the core's business (KVCacheManager); this module never knows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from octavo.model.config import ModelConfig
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[Tensor]:
+    """num_hidden_layers zero-filled tensors of (2, num_blocks, block_size, num_kv_heads,
+    head_dim). Zeros, not empty: backends read padded slots under a mask, and uninitialised
+    memory may hold NaN or inf, which a mask does not cancel (0 * NaN is NaN)."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(
+            f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}."
+        )
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token's K and V take across all layers."""
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    return config.num_hidden_layers * per_layer

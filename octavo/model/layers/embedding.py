@@ -1,0 +1,26 @@
+"""VocabEmbedding: token id -> embedding row lookup.
+
+Not nn.Embedding because its random initialisation runs even on the meta device, where
+`normal_` pulls in torch's compiler stack at start-up; every octavo weight comes from a
+checkpoint, so the parameter is left uninitialised here. Owns the lookup only; tied output
+projections read `weight` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # (vocab, hidden)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """(num_tokens,) int64 -> (num_tokens, hidden)."""
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"

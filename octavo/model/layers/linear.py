@@ -1,0 +1,50 @@
+"""PackedLinear: several checkpoint projections that read the same input, run as one matmul.
+
+q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear replaces three (or
+two) kernel launches and reads of the input per layer. This module owns the mapping between the
+packed weight's rows and the checkpoint shards. It must not know checkpoint file formats.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class PackedLinear(nn.Linear):
+    """A Linear whose output rows are named shards stacked in order.
+
+        weight rows:  [ shard 0 (size s0) | shard 1 (size s1) | ... ]
+        output:       (..., s0 + s1 + ...), split back with `split_output`
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = offset
+            offset += size
+
+    def load_shard(self, shard: str, param_name: str, loaded: Tensor) -> None:
+        """Copy a checkpoint tensor into rows of `weight` or `bias` (param_name). Raises
+        ValueError if the shard or param is unknown or the shape does not fit."""
+        if shard not in self.shard_sizes:
+            raise ValueError(f"unknown shard {shard!r} (have {list(self.shard_sizes)}).")
+        param = getattr(self, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"PackedLinear has no parameter {param_name!r}.")
+        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        target = param.data[start : start + size]
+        if tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shard {shard!r} of {param_name} expects shape {tuple(target.shape)}, "
+                f"got {tuple(loaded.shape)}."
+            )
+        with torch.no_grad():
+            target.copy_(loaded)
+
+    def split_output(self, output: Tensor) -> tuple[Tensor, ...]:
+        """Split (..., total) into one view per shard, in shard order."""
+        return output.split(list(self.shard_sizes.values()), dim=-1)

@@ -1,0 +1,26 @@
+"""GatedMLP: down(silu(gate(x)) * up(x)), the feed-forward of Llama, Qwen2 and Qwen3.
+
+gate and up are packed into one matmul (`gate_up_proj`, shards "gate" then "up"). Owns nothing
+but the feed-forward; it must not know about attention or checkpoint names beyond its own.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from octavo.model.layers.linear import PackedLinear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = PackedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (num_tokens, hidden) -> (num_tokens, hidden)."""
+        gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))  # 2 x (num_tokens, inter)
+        return self.down_proj(F.silu(gate) * up)

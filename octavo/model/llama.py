@@ -1,0 +1,164 @@
+"""Llama decoder (SmolLM2, Llama 2/3, Mistral-style), reading like HF's modeling_llama.
+
+Attention / MLP / DecoderLayer / Model / ForCausalLM in that order, over a flat batch: inputs are
+(num_tokens,) ids and positions of all scheduled requests with no padding, attention goes through
+the paged cache. The Qwen2 and Qwen3 variants are this decoder with the differences ModelConfig
+spells out (q/k/v bias, per-head q/k norms, head_dim), so they share it. Module and parameter
+names follow the HF checkpoint except for the packed `qkv_proj` / `gate_up_proj`
+(see `packed_modules_mapping`). Knows nothing of requests or scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from octavo.model.attention.layer import PagedAttention
+from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.config import ModelConfig
+from octavo.model.layers.embedding import VocabEmbedding
+from octavo.model.layers.linear import PackedLinear
+from octavo.model.layers.mlp import GatedMLP
+from octavo.model.layers.norm import RMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary
+from octavo.model.layers.weights import load_checkpoint_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = PackedLinear(
+            config.hidden_size,
+            {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
+            bias=config.attention_bias,
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE.
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self, hidden_states: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj.split_output(self.qkv_proj(hidden_states))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn_output = self.attn(q, k, v, kv_cache, attn_metadata)  # (num_tokens, q_size)
+        return self.o_proj(attn_output)
+
+
+class LlamaMLP(GatedMLP):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+        kv_cache: Tensor, attn_metadata: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:
+        """Returns (this layer's output, residual stream before it): the residual add is left
+        to the next norm, which fuses it (the first layer gets residual=None)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
+            hidden_states, residual
+        )
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        # One cos/sin for all layers: (num_tokens, head_dim) each.
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(
+                hidden_states, residual, cos, sin, kv_cache, attn_metadata
+            )
+        hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projection -> (packed module, shard): q/k/v and gate/up run as one matmul each.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied checkpoints have no lm_head: logits reuse the embedding matrix, so there is no
+        # second parameter to keep in sync (or to lose the sharing of when materialising).
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """input_ids, positions: (num_tokens,) int64, all scheduled tokens of all requests, flat,
+        no padding; kv_caches: one tensor per layer (see kv_cache.py), written at
+        attn_metadata.slot_mapping. Returns hidden states (num_tokens, hidden_size)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """(n, hidden) -> (n, vocab_size) float32. Call it only on the rows that are sampled."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the model. Raises ValueError naming an
+        unexpected tensor, a shape mismatch, or the missing ones."""
+        ignored = frozenset({"lm_head.weight"}) if self.lm_head is None else frozenset()
+        with torch.no_grad():
+            load_checkpoint_weights(self, weights, self.packed_modules_mapping, ignored)

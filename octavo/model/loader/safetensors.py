@@ -1,0 +1,87 @@
+"""Hugging Face folders: config.json (+ generation_config.json) and *.safetensors weights.
+
+Owns reading the config files into a ModelConfig and streaming (name, tensor) pairs out of the
+safetensors files, single or sharded (model.safetensors.index.json). Every file is opened once
+up front so that a truncated or corrupt one fails before the model is built. Must not know model
+classes or parameter layouts: names go out exactly as stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from octavo.model.config import ModelConfig
+from octavo.model.loader.errors import ModelLoadError
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
+    """(config, lazy iterator over every tensor of every safetensors file). Raises
+    ModelLoadError for unreadable config files, no or missing weight files, a corrupt header."""
+    config_dict = _read_json(folder / "config.json")
+    generation_path = folder / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else None
+    try:
+        config = ModelConfig.from_hf_config(config_dict, generation)
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from None
+    files = weight_files(folder)
+    for file in files:
+        _check_header(file)
+    return config, _iter_tensors(files)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the shards an index lists, else every *.safetensors."""
+    index_path = folder / _INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: no 'weight_map' entries.")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"{index_path} lists shard {file.name!r}, which is missing.")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{folder}: no .safetensors files (PyTorch .bin checkpoints are not supported)."
+        )
+    return files
+
+
+def _check_header(file: Path) -> None:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            handle.keys()
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({exc}).") from None
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file}: cannot read tensors ({exc}).") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read JSON ({exc}).") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object.")
+    return data

