@@ -1,0 +1,126 @@
+"""InputProcessor: prompt or chat messages -> checked token ids and resolved SamplingParams.
+
+Every check that can reject a request happens here, before the scheduler sees it, so a bad
+request never takes blocks or disturbs others. Errors are ValueError naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from octavo.core.sampling_params import SamplingParams
+
+# What `generate` accepts as one prompt: text, token ids, or vLLM's dict forms.
+PromptType = str | list[int] | Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return self._check_token_ids(None, list(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"], add_special_tokens)
+            raise ValueError("prompt must hold 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty.")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self._check_token_ids(prompt, token_ids)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return self._check_token_ids(None, list(prompt))
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}."
+        )
+
+    def render_chat(
+        self,
+        messages: list[Mapping[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list.")
+        for message in messages:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(f"each message needs a 'role', got {message!r}.")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true."
+            )
+        if chat_template is None and self.tokenizer.chat_template is None:
+            raise ValueError("This model has no chat template; pass chat_template.")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **dict(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors: the template rejected these messages
+            raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
+        # The rendered text already holds the template's special tokens (BOS included).
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._check_token_ids(text, token_ids)
+
+    def _check_token_ids(self, prompt: str | None, token_ids: list[int]) -> ProcessedPrompt:
+        if not token_ids:
+            raise ValueError("prompt must not be empty.")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is out of range for vocab_size {self.vocab_size}."
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len}: it leaves no room to generate."
+            )
+        return ProcessedPrompt(prompt, token_ids)
+
+    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """Fill the engine-owned fields of `params`; return the request's effective max_tokens."""
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+                f"exceeds max_model_len={self.max_model_len}; at most {room} can be generated."
+            )
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocab.")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is out of range for the vocab.")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        params.all_stop_token_ids = stop_ids
+        return room if params.max_tokens is None else params.max_tokens

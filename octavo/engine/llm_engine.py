@@ -1,0 +1,156 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the model runner and the output
+processor. `step()` is the one data flow of the engine:
+
+    schedule -> execute -> update -> process_outputs
+
+The engine owns no policy of its own: admission lives in the scheduler, tensors in the runner,
+text in the output processor. It fans `n > 1` out into child requests, which the scheduler
+sees as independent streams sharing the prompt's cached blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from transformers import PreTrainedTokenizerBase
+
+from octavo.config import EngineArgs, EngineConfig
+from octavo.core.request import Request
+from octavo.core.sampling_params import SamplingParams
+from octavo.core.scheduler import Scheduler
+from octavo.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from octavo.engine.output_processor import OutputKind, OutputProcessor
+from octavo.engine.outputs import RequestOutput
+from octavo.metrics.stats import SchedulerStats
+from octavo.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunner,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_runner = model_runner
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.input_processor = InputProcessor(
+            tokenizer,
+            config.scheduler.max_model_len,
+            model_runner.vocab_size,
+            eos_token_ids,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        # Imported here so that `octavo.engine` stays importable without loading a model.
+        from octavo.worker.setup import load_engine_parts
+        from octavo.engine.tokenizer import load_tokenizer
+
+        parts = load_engine_parts(args)
+        tokenizer = load_tokenizer(parts.model_path)
+        runner = ModelRunner(
+            parts.model,
+            parts.model_config,
+            parts.config.cache,
+            parts.config.scheduler,
+            parts.device,
+            parts.dtype,
+        )
+        eos = parts.model_config.eos_token_ids or (
+            (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        )
+        return cls(parts.config, runner, tokenizer, tuple(eos))
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | ProcessedPrompt,
+        sampling_params: SamplingParams,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Check and queue one request. Raises ValueError (naming the parameter) on bad input;
+        nothing is queued then."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        processed = (
+            prompt
+            if isinstance(prompt, ProcessedPrompt)
+            else self.input_processor.process_prompt(prompt)
+        )
+        params = sampling_params.clone()
+        max_tokens = self.input_processor.resolve_params(params, len(processed.prompt_token_ids))
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            children = [(request_id, params)]
+            child_ids = None
+        else:
+            children = [(f"{i}_{request_id}", _child_params(params, i)) for i in range(params.n)]
+            child_ids = [child_id for child_id, _ in children]
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            output_kind,
+            child_ids,
+        )
+        for child_id, child_params in children:
+            request = Request(
+                child_id, processed.prompt_token_ids, child_params, max_tokens, arrival_time
+            )
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests in any state; their blocks return to the pool at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self.scheduler.abort_requests(core_ids)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update(scheduler_output, runner_output)
+        processed = self.output_processor.process_outputs(core_outputs)
+        # The one backward edge: stop strings found in the text end requests next step.
+        self.scheduler.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    child = params.clone()
+    child.n = 1
+    # A seeded parent gives each child its own stream (vLLM: seed + index).
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child

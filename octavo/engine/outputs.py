@@ -1,0 +1,63 @@
+"""What callers of the offline API and the server receive: vLLM's RequestOutput shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.core.outputs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated position: token id -> Logprob (the sampled token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it; None for EOS or length.
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def to_sample_logprobs(
+    token_logprobs: list[TokenLogprobs], decode: "callable[[int], str] | None" = None
+) -> SampleLogprobs:
+    """Turn the runner's per-position logprobs into vLLM's dict-per-position form."""
+    result: SampleLogprobs = []
+    for position in token_logprobs:
+        entry: dict[int, Logprob] = {}
+        for rank, (token_id, logprob) in enumerate(
+            zip(position.token_ids[1:], position.logprobs[1:]), start=1
+        ):
+            entry[token_id] = Logprob(logprob, rank, decode(token_id) if decode else None)
+        sampled = position.token_ids[0]
+        entry[sampled] = Logprob(
+            position.logprobs[0], position.sampled_rank, decode(sampled) if decode else None
+        )
+        result.append(entry)
+    return result

@@ -1,0 +1,34 @@
+"""Loads the tokenizer (and its chat template) that belongs to a model path.
+
+GGUF files carry their vocabulary, merges and chat template in metadata; transformers builds a
+fast tokenizer from them. Hugging Face folders use their own tokenizer files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+    """`model_path` is a resolved model location: a .gguf file or a Hugging Face folder."""
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        if model_path.endswith(".gguf"):
+            folder, name = os.path.split(os.path.abspath(model_path))
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as exc:  # transformers raises many types; one clear message for users
+        raise ValueError(f"Could not load a tokenizer for {model_path!r}: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(previous)
+        hf_logging.enable_progress_bar()
+    return tokenizer

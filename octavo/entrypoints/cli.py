@@ -1,0 +1,125 @@
+"""`octavo generate|chat|bench`: parse flags -> EngineArgs -> run. Flag names follow vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from octavo.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default=defaults.dtype,
+                       choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--kv-cache-tokens", type=int, default=None)
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=defaults.block_size)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching)
+    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--device", default=defaults.device)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_tokens=ns.kv_cache_tokens,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        block_size=ns.block_size,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        seed=ns.seed,
+        device=ns.device,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sampling-seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from octavo.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+    )
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octavo", description="LLM inference and serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt and print the text")
+    generate.add_argument("prompt")
+    add_engine_args(generate)
+    add_sampling_args(generate, max_tokens=64)
+
+    chat = commands.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from octavo.bench.throughput import add_throughput_args
+
+    throughput = bench_commands.add_parser("throughput", help="offline throughput")
+    add_throughput_args(throughput)
+    add_engine_args(throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = make_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if ns.command == "generate":
+            from octavo.entrypoints.chat import run_generate
+
+            return run_generate(engine_args_from(ns), sampling_params_from(ns), ns.prompt)
+        if ns.command == "chat":
+            from octavo.entrypoints.chat import run_chat
+
+            return run_chat(engine_args_from(ns), sampling_params_from(ns), ns.system)
+        if ns.command == "bench" and ns.bench_command == "throughput":
+            from octavo.bench.throughput import run_throughput
+
+            return run_throughput(ns, engine_args_from(ns))
+    except ValueError as exc:
+        # Bad settings or input: one clear line, not a traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""LLM: the offline API, with vLLM's names (`generate`, `chat`), over one LLMEngine.
+
+    from octavo import LLM, SamplingParams
+    llm = LLM()                      # the embedded default model
+    llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from octavo.config import EngineArgs
+from octavo.core.sampling_params import SamplingParams
+from octavo.engine.input_processor import ProcessedPrompt, PromptType
+from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.output_processor import OutputKind
+from octavo.engine.outputs import RequestOutput
+
+Conversation = list[Mapping[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = EngineArgs.max_num_seqs,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        device: str = "auto",
+    ) -> None:
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            device=device,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(args)
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the prompts' order. `prompts` may be a string, a
+        list of token ids, a list of either, or vLLM's {"prompt_token_ids": [...]} dicts."""
+        return self._run(self._as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
+        processor = self.llm_engine.input_processor
+        prompts = [
+            processor.render_chat(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, Mapping)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _run(
+        self,
+        prompts: list[PromptType | ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
+                )
+        engine = self.llm_engine
+        processor = engine.input_processor
+        # Check everything before queueing anything: one bad prompt rejects the whole call.
+        processed = [
+            p if isinstance(p, ProcessedPrompt) else processor.process_prompt(p) for p in prompts
+        ]
+        for prompt, params in zip(processed, params_list):
+            processor.resolve_params(params.clone(), len(prompt.prompt_token_ids))
+        request_ids = []
+        for prompt, params in zip(processed, params_list):
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start = time.perf_counter()
+        num_output_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")
+                    bar.update(1)
+        except BaseException:
+            # Ctrl-C or an engine error: leave no request (and no block) behind.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]

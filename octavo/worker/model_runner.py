@@ -1,0 +1,237 @@
+"""ModelRunner: turns a SchedulerOutput into one flat forward pass and sampled tokens.
+
+It owns every tensor: the model, the paged KV cache, the persistent InputBatch and the sampler.
+It never touches Request objects; what it knows of requests arrives as SchedulerOutput deltas,
+and what it returns is plain data (ModelRunnerOutput) with one device-to-host copy per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
+from octavo.core.scheduler_output import SchedulerOutput
+from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.config import ModelConfig
+from octavo.model.kv_cache import allocate_kv_cache
+from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.sampler import Sampler, SamplerOutput
+from octavo.worker.input_batch import InputBatch
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64
+    attn_metadata: AttentionMetadata
+    # Batch rows scheduled this step, in flat-batch order.
+    scheduled_rows: list[int]
+    # Rows (subset of scheduled_rows) whose last scheduled token is sampled, and the flat index
+    # of that token.
+    sample_rows: list[int]
+    logits_indices: torch.Tensor  # (num_sampled,) int64
+    # Per scheduled row: the token count in the cache once this step has run.
+    seq_lens: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = device
+        self.vocab_size = model_config.vocab_size
+        self.kv_caches = allocate_kv_cache(
+            model_config, cache_config.num_blocks, cache_config.block_size, dtype, device
+        )
+        max_model_len = scheduler_config.max_model_len
+        max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, max_model_len, max_blocks_per_req
+        )
+        self.sampler = Sampler()
+        # Seeded requests keep their generator across preemptions, so a preempted request
+        # resumes its random stream where it stopped instead of replaying it.
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's deltas to the persistent batch, run the model once, sample."""
+        self._update_batch(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [], [])
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden_states = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+        )
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+        return self._make_output(inputs, sampler_output)
+
+    # --- persistent batch -------------------------------------------------------------------
+
+    def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for request_id in scheduler_output.finished_req_ids:
+            batch.remove(request_id)
+            self.generators.pop(request_id, None)
+        for request_id in scheduler_output.preempted_req_ids:
+            batch.remove(request_id)
+        for data in scheduler_output.scheduled_new_reqs:
+            seed = data.sampling_params.seed
+            generator = self.generators.get(data.request_id)
+            if generator is None and seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+                self.generators[data.request_id] = generator
+            batch.add(data, generator)
+        for data in scheduler_output.scheduled_cached_reqs:
+            row = batch.row_of[data.request_id]
+            batch.append_block_ids(row, data.new_block_ids)
+            batch.num_computed_tokens[row] = data.num_computed_tokens
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled_rows = [
+            row for row, state in enumerate(batch.rows) if state.request_id in num_scheduled
+        ]
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
+        for row in scheduled_rows:
+            start = int(batch.num_computed_tokens[row])
+            end = start + num_scheduled[batch.rows[row].request_id]
+            positions = np.arange(start, end, dtype=np.int64)
+            # slot = block_id * block_size + offset within the block
+            block_ids = batch.block_table[row, positions // self.block_size].astype(np.int64)
+            token_chunks.append(batch.token_ids[row, start:end])
+            position_chunks.append(positions)
+            slot_chunks.append(block_ids * self.block_size + positions % self.block_size)
+            query_start_loc.append(query_start_loc[-1] + end - start)
+            seq_lens.append(end)
+            # Only a request whose every known token has been computed yields a new one;
+            # a prefill chunk that is not the last produces no sample.
+            if end >= batch.num_tokens[row]:
+                sample_rows.append(row)
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(int(batch.num_blocks[row]) for row in scheduled_rows)
+        block_table = batch.block_table[scheduled_rows, :max_blocks]
+        attn_metadata = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            slot_mapping=self._to_device(np.concatenate(slot_chunks)),
+            block_table=self._to_device(block_table),
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=self._to_device(np.concatenate(token_chunks)),
+            positions=self._to_device(np.concatenate(position_chunks)),
+            attn_metadata=attn_metadata,
+            scheduled_rows=scheduled_rows,
+            sample_rows=sample_rows,
+            logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),
+            seq_lens=seq_lens,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    # --- sampling ---------------------------------------------------------------------------
+
+    def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
+        batch = self.input_batch
+        states = [batch.rows[row] for row in rows]
+        temperature = batch.temperature[rows]
+        penalized = [i for i, s in enumerate(states) if s.sampling_params.has_penalties]
+
+        def optional(array: np.ndarray, is_on: np.ndarray) -> torch.Tensor | None:
+            return self._to_device(array[rows]) if is_on.any() else None
+
+        min_tokens_stop_ids: dict[int, set[int]] = {}
+        for i, (row, state) in enumerate(zip(rows, states)):
+            params = state.sampling_params
+            num_output = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            if num_output < params.min_tokens and params.all_stop_token_ids:
+                min_tokens_stop_ids[i] = params.all_stop_token_ids
+        requested = [
+            s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None
+        ]
+        metadata = SamplingMetadata(
+            temperature=self._to_device(temperature),
+            all_greedy=bool((temperature == 0).all()),
+            all_random=bool((temperature > 0).all()),
+            top_k=optional(batch.top_k, batch.top_k[rows] > 0),
+            top_p=optional(batch.top_p, batch.top_p[rows] < 1),
+            min_p=optional(batch.min_p, batch.min_p[rows] > 0),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            presence_penalties=None,
+            frequency_penalties=None,
+            repetition_penalties=None,
+            prompt_token_ids=None,
+            output_token_ids=[],
+            min_tokens_stop_ids=min_tokens_stop_ids,
+            logit_bias={
+                i: s.sampling_params.logit_bias
+                for i, s in enumerate(states)
+                if s.sampling_params.logit_bias
+            },
+            max_num_logprobs=max(requested) if requested else None,
+        )
+        if penalized:
+            self._add_penalties(metadata, rows)
+        return metadata
+
+    def _add_penalties(self, metadata: SamplingMetadata, rows: list[int]) -> None:
+        batch = self.input_batch
+        metadata.presence_penalties = self._to_device(batch.presence_penalty[rows])
+        metadata.frequency_penalties = self._to_device(batch.frequency_penalty[rows])
+        metadata.repetition_penalties = self._to_device(batch.repetition_penalty[rows])
+        prompt_lens = batch.num_prompt_tokens[rows]
+        # (num_rows, max_prompt_len), padded with vocab_size (a column the penalties drop).
+        prompts = np.full((len(rows), int(prompt_lens.max())), self.vocab_size, dtype=np.int64)
+        for i, row in enumerate(rows):
+            prompts[i, : prompt_lens[i]] = batch.token_ids[row, : prompt_lens[i]]
+        metadata.prompt_token_ids = self._to_device(prompts)
+        metadata.output_token_ids = [batch.output_token_ids(row) for row in rows]
+
+    def _make_output(self, inputs: StepInputs, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        # The step's one device-to-host copy (plus logprobs when asked).
+        sampled = sampler_output.sampled_token_ids.tolist()
+        logprobs_lists = None
+        if sampler_output.logprobs is not None:
+            lp = sampler_output.logprobs
+            logprobs_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist())
+        sampled_by_row: dict[int, int] = {}
+        logprobs_by_row: dict[int, TokenLogprobs] = {}
+        for i, row in enumerate(inputs.sample_rows):
+            sampled_by_row[row] = sampled[i]
+            k = batch.rows[row].sampling_params.logprobs
+            if logprobs_lists is not None and k is not None:
+                ids, values, ranks = logprobs_lists
+                logprobs_by_row[row] = TokenLogprobs(ids[i][: k + 1], values[i][: k + 1], ranks[i])
+        req_ids, sampled_token_ids, logprobs = [], [], []
+        for row, seq_len in zip(inputs.scheduled_rows, inputs.seq_lens):
+            batch.num_computed_tokens[row] = seq_len
+            req_ids.append(batch.rows[row].request_id)
+            if row in sampled_by_row:
+                batch.append_token(row, sampled_by_row[row])
+                sampled_token_ids.append([sampled_by_row[row]])
+                logprobs.append([logprobs_by_row[row]] if row in logprobs_by_row else None)
+            else:
+                sampled_token_ids.append([])
+                logprobs.append(None)
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs)

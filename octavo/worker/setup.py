@@ -1,0 +1,126 @@
+"""Turns EngineArgs into a running engine's parts: model path, device, dtype, KV capacity.
+
+Every effective setting is decided here once, frozen into an EngineConfig and logged as one
+JSON document, followed by the KV capacity line users size their deployments by.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from octavo.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from octavo.model.config import ModelConfig
+from octavo.model.kv_cache import kv_cache_bytes_per_token
+from octavo.model.loader import find_default_model, load_model
+from octavo.worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: EngineConfig
+    model: nn.Module
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_path: str
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None means the embedded default; a folder holding exactly one .gguf means that file."""
+    path = find_default_model() if model is None else os.path.expanduser(model)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+    return path
+
+
+def load_engine_parts(args: EngineArgs) -> LoadedModel:
+    model_path = resolve_model_path(args.model)
+    device = resolve_device(args.device)
+    dtype, dtype_reason = resolve_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    model, model_config = load_model(model_path, dtype, device)
+
+    bytes_per_token = kv_cache_bytes_per_token(model_config, dtype)
+    num_blocks = _num_kv_blocks(args, bytes_per_token, device)
+    capacity = num_blocks * args.block_size
+    max_model_len = _max_model_len(args, model_config, capacity)
+    config = EngineConfig(
+        model=model_path,
+        served_model_name=args.served_model_name or _default_name(args.model, model_path),
+        dtype=str(dtype).removeprefix("torch."),
+        dtype_reason=dtype_reason,
+        device=str(device),
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            bytes_per_token=bytes_per_token,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=max_model_len,
+        ),
+    )
+    logger.info("dtype %s (%s)", config.dtype, dtype_reason)
+    logger.info("resolved configuration: %s", config.to_json())
+    logger.info(capacity_line(config.cache, max_model_len))
+    return LoadedModel(config, model, model_config, device, dtype, model_path)
+
+
+def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
+    mib = cache.num_tokens * cache.bytes_per_token / (1 << 20)
+    fit = cache.num_tokens // max_model_len
+    return (
+        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
+        f"{cache.num_tokens} tokens ({mib:.1f} MiB); {fit} requests of max_model_len "
+        f"({max_model_len}) fit"
+    )
+
+
+def _num_kv_blocks(args: EngineArgs, bytes_per_token: int, device: torch.device) -> int:
+    block_bytes = bytes_per_token * args.block_size
+    if args.kv_cache_tokens is not None:
+        return -(-args.kv_cache_tokens // args.block_size)
+    budget = args.kv_cache_memory_bytes or default_kv_cache_bytes(device)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} is smaller than one block ({block_bytes} bytes)."
+        )
+    return num_blocks
+
+
+def _max_model_len(args: EngineArgs, model_config: ModelConfig, capacity: int) -> int:
+    model_max = model_config.max_position_embeddings
+    if args.max_model_len is None:
+        # Fit the model's context into the pool when the user left it to us.
+        return min(model_max, capacity)
+    if args.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} exceeds the model's context length {model_max}."
+        )
+    if args.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} does not fit in the KV cache ({capacity} "
+            "tokens): raise kv_cache_tokens / kv_cache_memory_bytes or lower max_model_len."
+        )
+    return args.max_model_len
+
+
+def _default_name(model: str | None, model_path: str) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model.rstrip("/")

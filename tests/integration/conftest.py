@@ -1,0 +1,45 @@
+"""Fixtures for engine tests on the embedded SmolLM2-135M-Instruct in float32.
+
+Loading the GGUF and building its tokenizer takes seconds, so both are loaded once per session
+and shared by every engine the tests build (the model holds no per-request state: the KV cache
+belongs to each engine's runner).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import octavo.engine.tokenizer as tokenizer_module
+import octavo.worker.setup as setup_module
+from octavo import LLM
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _share_weights_and_tokenizer():
+    patch = pytest.MonkeyPatch()
+    patch.setattr(setup_module, "load_model", functools.lru_cache(setup_module.load_model))
+    patch.setattr(
+        tokenizer_module, "load_tokenizer", functools.lru_cache(tokenizer_module.load_tokenizer)
+    )
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """Build an LLM on the embedded model in float32; settings default to a roomy pool."""
+
+    def make(**overrides) -> LLM:
+        settings = dict(dtype="float32", max_model_len=512, kv_cache_tokens=8192, seed=0)
+        settings.update(overrides)
+        return LLM(**settings)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(make_llm) -> LLM:
+    return make_llm()
+

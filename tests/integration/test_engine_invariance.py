@@ -1,0 +1,100 @@
+"""Greedy output of a prompt must not depend on how the engine happened to run it: alone, in a
+batch, chunked, after a prefix-cache hit or after a preemption. Nothing may leak on the way."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo import SamplingParams
+from .utils import assert_no_leak
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three most important inventions of the nineteenth century were"
+OTHERS = [
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The recipe for a simple tomato soup starts with",
+    "Water boils at",
+    "List five animals that live in the ocean:",
+    "The meaning of the word 'serendipity' is",
+    "In 1969, the first humans",
+    "A good night's sleep is important because",
+    "To make a paper airplane, first",
+    "The capital of Japan is",
+    "Photosynthesis is the process by which",
+    "My favourite book is",
+    "The quick brown fox",
+    "Here is a haiku about autumn:",
+    "The difference between weather and climate is",
+    "import numpy as np\n",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[int]:
+    return _tokens(llm.generate([PROMPT], GREEDY, use_tqdm=False))[0]
+
+
+def test_alone_and_in_a_batch_of_16(llm, reference) -> None:
+    batch = llm.generate(OTHERS[:8] + [PROMPT] + OTHERS[8:], GREEDY, use_tqdm=False)
+    assert _tokens(batch)[8] == reference
+    assert all(len(tokens) == 32 for tokens in _tokens(batch))
+    assert_no_leak(llm)
+
+
+def test_chunked_prefill(make_llm, reference) -> None:
+    # A budget of 8 tokens per step cuts every prompt into several chunks, and decodes share
+    # the budget with chunks of other prompts.
+    chunked = make_llm(max_num_batched_tokens=8, enable_prefix_caching=False)
+    outputs = chunked.generate([PROMPT] + OTHERS[:3], GREEDY, use_tqdm=False)
+    assert _tokens(outputs)[0] == reference
+    assert_no_leak(chunked)
+
+
+def test_after_a_prefix_cache_hit(llm) -> None:
+    prompt = " ".join(OTHERS[:6])  # several full blocks
+    assert llm.llm_engine.reset_prefix_cache()
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_no_leak(llm)
+
+
+def test_shared_64_token_prefix_is_cached(llm) -> None:
+    tokenizer = llm.get_tokenizer()
+    prefix = tokenizer.encode(" ".join(["alpha beta gamma delta"] * 20))[:64]
+    first = llm.generate([prefix + [1000, 1001, 1002]], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prefix + [2000, 2001]], GREEDY, use_tqdm=False)[0]
+    assert first.finished and second.finished
+    assert second.num_cached_tokens >= 64
+    assert_no_leak(llm)
+
+
+def test_preemption_keeps_greedy_output(make_llm, llm) -> None:
+    prompts = [PROMPT] + OTHERS[:7]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    roomy = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    # 8 requests of ~15 + 48 tokens need ~32 blocks of 16; the pool has 12.
+    tight = make_llm(kv_cache_tokens=192, max_model_len=192)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.make_stats().num_preemptions > 0
+    assert _tokens(outputs) == roomy
+    assert_no_leak(tight)
+
+
+def test_seeded_sampling_is_batch_invariant(llm) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
+    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].text
+    others = SamplingParams(temperature=1.0, max_tokens=24)
+    params = [others] * 5 + [seeded] + [others] * 5
+    batch = llm.generate(OTHERS[:5] + [PROMPT] + OTHERS[5:10], params, use_tqdm=False)
+    assert batch[5].outputs[0].text == alone
+    assert_no_leak(llm)
