@@ -52,8 +52,8 @@ class Sampler(nn.Module):
        is done; nothing random runs.
     6) Temperature: random rows are divided by theirs.
     7) min-p, then 8) top-k, then 9) top-p: dropped tokens get -inf.
-    10) Random rows: softmax, then the exponential race (argmax of probs / Exp(1) noise), seeded
-        rows drawing their noise from their own generator.
+    10) Random rows: softmax, then inverse-CDF sampling (one uniform per row against the
+        cumulative mass), seeded rows drawing their uniform from their own generator.
     11) Greedy and random rows are combined with torch.where on temperature == 0.
     12) Logprobs: the top max_num_logprobs of the raw distribution, with the sampled token's
         logprob and 1-based rank in front.

@@ -271,3 +271,14 @@ def test_logprobs_zero_k_and_ties() -> None:
     )
     with pytest.raises(ValueError, match="max_num_logprobs"):
         gather_logprobs(compute_logprobs(logits), 5, torch.tensor([2]))
+
+
+def test_invert_cdf_never_picks_a_token_without_mass() -> None:
+    """Regression guard for the rounding edge of inverse-CDF sampling: u * total rounding up to
+    the total must not run past the last token with mass (here followed by zero-mass ones)."""
+    from octavo.sample.ops.topk_topp import invert_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]])
+    cdf = probs.cumsum(dim=1)
+    for u, expected in [(0.0, 1), (0.29, 1), (0.31, 3), (0.9999999, 3), (1.0, 3)]:
+        assert invert_cdf(cdf, torch.tensor([[u]])).tolist() == [expected]

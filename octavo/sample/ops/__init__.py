@@ -1,7 +1,7 @@
 """Batched tensor operations the Sampler composes, one concern per module.
 
 - penalties: logit bias, min_tokens masking, repetition/frequency/presence penalties.
-- topk_topp: temperature, min-p, top-k, top-p and the exponential-race draw.
+- topk_topp: temperature, min-p, top-k, top-p and the inverse-CDF draw.
 - logprobs: raw log-probabilities, their top-k and the sampled token's rank.
 
 Everything here takes plain tensors and dicts keyed by row; nothing knows about requests.

@@ -1,6 +1,6 @@
 """The random path of the sampler: temperature, min-p, top-k, top-p, and the draw itself.
 
-Owns the batched, argmax-invariant filters and the exponential-race sampler. Filters take
+Owns the batched, argmax-invariant filters and the inverse-CDF sampler. Filters take
 (num_reqs, vocab) float32 logits and edit them in place: a token a filter drops gets -inf, so the
 next softmax gives it probability 0. A row whose parameter holds the neutral value (temperature
 1, min_p 0, top_k 0, top_p 1) is left bit-for-bit unchanged whatever the other rows ask, which is
@@ -106,21 +106,34 @@ def _apply_top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tenso
 def random_sample(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """One token per row drawn from `probs` (num_reqs, vocab); returns (num_reqs,) int64.
 
-    The exponential race: with E_i ~ Exp(1) independent, E_i / p_i ~ Exp(p_i), and the smallest
-    of independent exponentials is i with probability p_i / sum(p). So argmax(p / E) is a sample
-    of p. Unlike torch.multinomial, which synchronises the host with the device on CUDA and takes
-    one generator per call, this needs no sync and suits per-row generators: the noise is drawn
-    first, in one call for the unseeded rows and one per seeded row with that row's generator,
-    and the rest is batched.
+    Inverse-CDF sampling: one uniform u per row, scaled by the row's total mass, and the first
+    token whose cumulative probability exceeds it. One random number per row instead of one per
+    vocabulary entry: on a CPU, filling (num_reqs, vocab) with exponential noise (the
+    exponential race vLLM uses on GPUs) costs several times the rest of the sampler, while a
+    cumsum and a binary search are cheap. Like the race it needs no host-device sync (unlike
+    torch.multinomial) and suits per-row generators: the unseeded rows draw their uniforms in
+    one call, each seeded row draws one value from its own generator, so a seed gives the same
+    tokens whatever the batch size or row position (the cumsum runs along each row alone).
 
-    Seeded rows draw exactly `vocab` values from their own generator each step, regardless of
-    batch size or row position, so a seed gives the same tokens in any batch. `probs` is
-    overwritten.
+    Zero-probability tokens are never picked: their cumulative value equals their
+    predecessor's, so the first entry above u always has mass. `probs` is not modified.
     """
-    # (num_reqs, vocab). exponential_ never returns 0 (documented), so no 0/0 below.
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    num_reqs = probs.shape[0]
+    # (num_reqs, vocab) running mass; its last column is the row total (1 up to rounding).
+    cdf = probs.cumsum(dim=1)
+    uniform = torch.empty(num_reqs, 1, device=probs.device, dtype=cdf.dtype)
+    if len(generators) < num_reqs:
+        uniform.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=1)
+        uniform[row].uniform_(generator=generator)
+    return invert_cdf(cdf, uniform)
+
+
+def invert_cdf(cdf: Tensor, uniform: Tensor) -> Tensor:
+    """(num_reqs, vocab) cumulative mass and (num_reqs, 1) u in [0, 1) -> (num_reqs,) the first
+    token whose cumulative mass exceeds u * total."""
+    total = cdf[:, -1:]
+    # u * total can round up to total; keep the threshold strictly below it so the search
+    # always lands on a token with mass.
+    threshold = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1)
