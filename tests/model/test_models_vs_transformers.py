@@ -201,10 +201,14 @@ def test_attention_metadata_derives_plan_from_runner_fields():
     assert metadata.is_all_decode is False
     assert metadata.decode.req_idx == [0, 2]
     assert metadata.decode.token_idx.tolist() == [0, 4]
-    # Request 0: positions 0..5 in blocks 3, 1; request 2: positions 0..8 in blocks 4, 5, 6.
-    assert metadata.decode.kv_slots[0, :6].tolist() == [12, 13, 14, 15, 4, 5]
-    assert metadata.decode.kv_slots[1].tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 24]
-    assert metadata.decode.key_mask[:, 0, 0].sum(-1).tolist() == [6, 9]
+    # Request 0: positions 0..5 in blocks 3, 1 (padded with block 0); request 2: positions
+    # 0..8 in blocks 4, 5, 6.
+    assert metadata.decode.max_num_blocks == 3
+    assert metadata.decode.block_ids.tolist() == [3, 1, 0, 4, 5, 6]
+    assert metadata.decode.key_mask[:, 0, 0].tolist() == [
+        [True] * 6 + [False] * 6,
+        [True] * 9 + [False] * 3,
+    ]
     (chunk,) = metadata.chunks
     assert (chunk.req_idx, chunk.start, chunk.end) == (1, 1, 4)
     assert chunk.kv_slots is None and chunk.mask is None  # a whole fresh prompt: plain causal

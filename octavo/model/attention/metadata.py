@@ -31,9 +31,13 @@ class DecodeBatch:
     req_idx: list[int]
     # (num_decodes,) int64 rows of the flat batch; None when they are rows 0..n-1 in order.
     token_idx: Tensor | None
-    # (num_decodes, max_seq_len) int64 cache slots of each request's keys, padded past seq_len.
-    kv_slots: Tensor
-    # (num_decodes, 1, 1, max_seq_len) bool, True where a key exists (broadcast over heads).
+    # (num_decodes * max_num_blocks,) int64: each request's blocks in order, padded with block 0.
+    # Whole blocks are gathered (one index_select of block_size * heads * head_dim rows each),
+    # several times faster on a CPU than gathering slot by slot.
+    block_ids: Tensor
+    max_num_blocks: int
+    # (num_decodes, 1, 1, max_num_blocks * block_size) bool, True where a key exists
+    # (broadcast over heads); hides the tail of the last block and the padding blocks.
     key_mask: Tensor
 
 
@@ -121,18 +125,20 @@ class AttentionMetadata:
         if not req_idx:
             return
         device = self.block_table.device
-        max_len = max(self.seq_lens[i] for i in req_idx)
+        max_num_blocks = -(-max(self.seq_lens[i] for i in req_idx) // self.block_size)
         if self.is_all_decode:
             token_idx, rows = None, self.block_table[: self.num_reqs]
         else:
             token_idx = torch.tensor([self.query_start_loc[i] for i in req_idx], device=device)
             rows = self.block_table[torch.tensor(req_idx, device=device)]
         seq_lens = torch.tensor([self.seq_lens[i] for i in req_idx], device=device)
+        max_len = max_num_blocks * self.block_size
         key_mask = torch.arange(max_len, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
         self.decode = DecodeBatch(
             req_idx=req_idx,
             token_idx=token_idx,
-            kv_slots=self._slots(rows, max_len),  # (num_decodes, max_len)
+            block_ids=rows[:, :max_num_blocks].reshape(-1).long(),
+            max_num_blocks=max_num_blocks,
             key_mask=key_mask[:, None, None, :],  # (num_decodes, 1, 1, max_len)
         )
 

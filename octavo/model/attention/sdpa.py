@@ -34,20 +34,21 @@ def sdpa_attention(
     decode = metadata.decode
     if decode is not None and decode.token_idx is None:
         # All rows are decodes in batch order: the decode output is the whole output.
-        return _decode(query, key_slots, value_slots, metadata, scale)
+        return _decode(query, kv_cache, metadata, scale)
 
     output = query.new_empty(query.shape)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_idx)
         output.index_copy_(
-            0, decode.token_idx, _decode(decode_query, key_slots, value_slots, metadata, scale)
+            0, decode.token_idx, _decode(decode_query, kv_cache, metadata, scale)
         )
     for chunk in metadata.chunks:
         chunk_query = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if chunk.kv_slots is None:
             chunk_key, chunk_value = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
         else:
-            chunk_key, chunk_value = key_slots[chunk.kv_slots], value_slots[chunk.kv_slots]
+            chunk_key = key_slots.index_select(0, chunk.kv_slots)
+            chunk_value = value_slots.index_select(0, chunk.kv_slots)
         out = F.scaled_dot_product_attention(
             chunk_query,
             chunk_key.to(query.dtype).transpose(0, 1).unsqueeze(0),  # (1, Hkv, seq_len, D)
@@ -61,14 +62,14 @@ def sdpa_attention(
     return output
 
 
-def _decode(
-    query: Tensor, key_slots: Tensor, value_slots: Tensor, metadata: AttentionMetadata,
-    scale: float,
-) -> Tensor:
+def _decode(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float) -> Tensor:
     """query: (num_decodes, H, D) -> (num_decodes, H, D)."""
     decode = metadata.decode
-    keys = key_slots[decode.kv_slots].to(query.dtype)  # (num_decodes, max_len, Hkv, D)
-    values = value_slots[decode.kv_slots].to(query.dtype)
+    num_decodes = query.shape[0]
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    shape = (num_decodes, decode.max_num_blocks * block_size, num_kv_heads, head_dim)
+    keys = kv_cache[0].index_select(0, decode.block_ids).view(shape).to(query.dtype)
+    values = kv_cache[1].index_select(0, decode.block_ids).view(shape).to(query.dtype)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # (num_decodes, H, 1, D)
         keys.transpose(1, 2),  # (num_decodes, Hkv, max_len, D)
