@@ -36,8 +36,11 @@ class LLMEngine:
         model_runner: ModelRunner,
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: tuple[int, ...],
+        sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.config = config
+        # The model's generation_config.json sampling values (vLLM's defaults when unset).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.model_runner = model_runner
         self.scheduler = Scheduler(config.scheduler, config.cache)
@@ -69,9 +72,15 @@ class LLMEngine:
         eos = parts.model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
-        return cls(parts.config, runner, tokenizer, tuple(eos))
+        return cls(
+            parts.config, runner, tokenizer, tuple(eos), dict(parts.model_config.sampling_defaults)
+        )
 
     # --- requests -----------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config defaults applied."""
+        return SamplingParams(**self.sampling_defaults)
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))

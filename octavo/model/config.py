@@ -56,6 +56,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # The dtype the checkpoint declares ("bfloat16", ...), for dtype="auto"; None if unknown.
     checkpoint_dtype: str | None = None
+    # Sampling defaults the model ships in generation_config.json, as SamplingParams field
+    # names (vLLM applies them when a request leaves the field unset); sorted (name, value).
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -134,6 +137,7 @@ class ModelConfig:
             bos_token_id=bos,
             eos_token_ids=_as_id_tuple(eos),
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
+            sampling_defaults=_sampling_defaults(generation_config),
         )
 
     # ---------------------------------------------------------------- GGUF metadata
@@ -253,3 +257,24 @@ def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+# generation_config.json key -> SamplingParams field (the set vLLM takes over).
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _sampling_defaults(generation_config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(
+        sorted(
+            (field, generation_config[key])
+            for key, field in _GENERATION_DEFAULTS.items()
+            if generation_config.get(key) is not None
+        )
+    )

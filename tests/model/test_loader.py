@@ -59,6 +59,7 @@ def test_config_resolves_architecture_flags_and_eos():
                                        generation_config={"eos_token_id": [7, 9]})
     assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
     assert qwen2.eos_token_ids == (7, 9)  # generation_config wins over config
+    assert qwen2.sampling_defaults == ()
     qwen3 = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen3ForCausalLM"],
                                         "head_dim": 32})
     assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
@@ -66,6 +67,15 @@ def test_config_resolves_architecture_flags_and_eos():
     llama = ModelConfig.from_hf_config({**shape, "architectures": ["LlamaForCausalLM"],
                                         "attention_bias": True})
     assert (llama.attention_bias, llama.attention_out_bias) == (True, True)
+
+
+def test_generation_config_sampling_defaults_use_sampling_params_names():
+    shape = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                 num_attention_heads=4, architectures=["LlamaForCausalLM"])
+    generation = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 256, "do_sample": True,
+                  "top_k": None}
+    config = ModelConfig.from_hf_config(shape, generation_config=generation)
+    assert dict(config.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 256}
 
 
 def test_sliding_window_caps_the_context():
