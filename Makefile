@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.octavo-installed
 
-.PHONY: setup chat test test-fast bench
+.PHONY: setup serve chat test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/octavo serve --host 127.0.0.1 --port 8000
 
 chat: setup
 	$(VENV)/bin/octavo chat

@@ -1,4 +1,4 @@
-"""`octavo generate|chat|bench`: parse flags -> EngineArgs -> run. Flag names follow vLLM."""
+"""`octavo serve|generate|chat|bench`: parse flags -> EngineArgs -> run. Flag names follow vLLM."""
 
 from __future__ import annotations
 
@@ -44,6 +44,34 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     )
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model to serve (same as --model)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None,
+                       help="the name clients use in `model` (default: from the model)")
+    group.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every path but /health")
+    group.add_argument("--allowed-origins", default=None,
+                       help='CORS origins, a JSON list or comma-separated (e.g. \'["*"]\'); '
+                            "CORS is off by default")
+
+
+def server_config_from(ns: argparse.Namespace):
+    import json
+
+    from octavo.entrypoints.server.app import ServerConfig
+
+    origins: tuple[str, ...] = ()
+    if ns.allowed_origins:
+        text = ns.allowed_origins.strip()
+        values = json.loads(text) if text.startswith("[") else text.split(",")
+        origins = tuple(str(v).strip() for v in values if str(v).strip())
+    return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key, allowed_origins=origins)
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -75,6 +103,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="LLM inference and serving")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_server_args(serve)
+    add_engine_args(serve)
+
     generate = commands.add_parser("generate", help="complete one prompt and print the text")
     generate.add_argument("prompt")
     add_engine_args(generate)
@@ -92,6 +124,13 @@ def make_parser() -> argparse.ArgumentParser:
     throughput = bench_commands.add_parser("throughput", help="offline throughput")
     add_throughput_args(throughput)
     add_engine_args(throughput)
+
+    from octavo.bench.serve import add_serve_bench_args
+
+    serve_bench = bench_commands.add_parser(
+        "serve", help="load generator for any OpenAI-compatible server"
+    )
+    add_serve_bench_args(serve_bench)
     return parser
 
 
@@ -102,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if ns.command == "serve":
+            from octavo.entrypoints.server.app import run_server
+
+            args = engine_args_from(ns)
+            args.model = ns.model_tag or ns.model
+            args.served_model_name = ns.served_model_name
+            return run_server(args, server_config_from(ns))
         if ns.command == "generate":
             from octavo.entrypoints.chat import run_generate
 
@@ -114,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.throughput import run_throughput
 
             return run_throughput(ns, engine_args_from(ns))
+        if ns.command == "bench" and ns.bench_command == "serve":
+            from octavo.bench.serve import run_serve_bench
+
+            return run_serve_bench(ns)
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

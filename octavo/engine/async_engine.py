@@ -1,0 +1,353 @@
+"""AsyncEngine: runs the LLMEngine step loop on its own thread and streams outputs to asyncio.
+
+Owns the engine thread, the command queue into it and the output queues out of it. The engine
+thread is the only caller of LLMEngine: requests, aborts and calls reach it as commands that it
+drains at the top of each iteration, and each step's outputs go back to the event loop with one
+`loop.call_soon_threadsafe` per step. When there is nothing to run, the thread sleeps on a
+condition variable (no busy spin); a new command wakes it.
+
+Must not: tokenize, render templates or build HTTP responses (callers do that before submitting,
+so the step loop never waits on them); block on a consumer (a slow reader only grows its own
+queue); let an engine error leave a caller waiting (every in-flight request gets the error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from octavo.core.sampling_params import SamplingParams
+from octavo.engine.input_processor import ProcessedPrompt
+from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.output_processor import OutputKind
+from octavo.engine.outputs import RequestOutput
+from octavo.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# After this many failed steps in a row the engine is declared dead: each failure already
+# failed and aborted every in-flight request, so a repeat means the engine itself is broken.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# (scheduler stats, prompt tokens that got their first output this step, tokens generated)
+StatsCallback = Callable[[SchedulerStats, int, int], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or broken by repeated step failures)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; every request that was in flight fails with this error."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One prompt to run, already tokenized and checked by the caller."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class _OutputStream:
+    """The asyncio side of one `generate` call: a queue the engine thread fills via the loop."""
+
+    __slots__ = ("queue", "num_unfinished")
+
+    def __init__(self, num_requests: int) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.num_unfinished = num_requests
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: Sequence[EngineRequest]
+    stream: _OutputStream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_stats: StatsCallback | None = None) -> None:
+        """`on_stats` runs on the engine thread after every step (and after idle commands);
+        it must be cheap and thread-safe."""
+        self.engine = engine
+        self._on_stats = on_stats
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort | _Call] = []
+        self._stopping = False
+        self._dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Engine-thread state: request id -> the stream its outputs go to.
+        self._streams: dict[str, _OutputStream] = {}
+        # Engine-thread state: request id -> prompt tokens not yet counted in the stats.
+        self._prompt_pending: dict[str, int] = {}
+        self._num_steps = 0
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort whatever is in flight (callers get their final "abort" outputs), stop the
+        thread and wait for it. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop outputs are delivered on (set by `start`)."""
+        return self._loop
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far (tests use it to check the thread sleeps when idle)."""
+        return self._num_steps
+
+    # --- the asyncio side ---------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[EngineRequest]) -> AsyncIterator[RequestOutput]:
+        """Run `requests` and yield their DELTA RequestOutputs as steps produce them, until all
+        have finished. Closing the iterator early (a disconnect, a cancelled task) aborts the
+        unfinished ones within one step.
+
+        Raises ValueError if the engine rejected a request (nothing of the call runs then),
+        EngineStepError if a step failed, EngineDeadError if the engine is stopped.
+        """
+        self._check_alive()
+        stream = _OutputStream(len(requests))
+        request_ids = [r.request_id for r in requests]
+        self._submit(_Add(requests, stream))
+        finished: set[str] = set()
+        try:
+            while len(finished) < len(request_ids):
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished.add(item.request_id)
+                yield item
+        finally:
+            unfinished = [r for r in request_ids if r not in finished]
+            if unfinished:
+                self.abort(unfinished)
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Thread-safe; takes effect at the top of the next engine iteration."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self._submit(_Abort(list(request_ids)))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _check_alive(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"The engine is not running: {self._dead_reason}")
+        if self._stopping:
+            raise EngineDeadError("The engine is shutting down.")
+        if self._thread is None:
+            raise EngineDeadError("The engine has not been started.")
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        has_work = False
+        num_failures = 0
+        try:
+            while True:
+                # 1) Drain commands; sleep first when there is nothing to step.
+                commands, stopping = self._take_commands(wait=not has_work)
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    break
+                has_work = engine.has_unfinished_requests()
+                if not has_work:
+                    if commands:
+                        self._report_stats([])
+                    continue
+                # 2) One step; 3) deliver its outputs.
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    num_failures += 1
+                    logger.exception("engine step failed (%d in a row)", num_failures)
+                    self._fail_all(exc)
+                    if num_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                        self._dead_reason = f"{num_failures} engine steps failed in a row: {exc!r}"
+                        break
+                    continue
+                num_failures = 0
+                self._num_steps += 1
+                self._deliver(outputs)
+                self._report_stats(outputs)
+                has_work = engine.has_unfinished_requests()
+        except BaseException as exc:  # a bug in this loop: nobody may be left waiting
+            logger.exception("engine thread crashed")
+            self._dead_reason = f"the engine thread crashed: {exc!r}"
+            self._fail_all(exc)
+            raise
+        finally:
+            self._stop_in_flight()
+
+    def _take_commands(self, wait: bool) -> tuple[list[_Add | _Abort | _Call], bool]:
+        with self._cond:
+            while wait and not self._commands and not self._stopping:
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+            return commands, self._stopping
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        engine = self.engine
+        if isinstance(command, _Abort):
+            engine.abort_request(command.request_ids)
+        elif isinstance(command, _Call):
+            try:
+                command.future.set_result(command.fn(engine))
+            except Exception as exc:
+                command.future.set_exception(exc)
+        else:
+            self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        added: list[str] = []
+        try:
+            for request in command.requests:
+                self.engine.add_request(
+                    request.request_id,
+                    request.prompt,
+                    request.sampling_params,
+                    OutputKind.DELTA,
+                    request.arrival_time,
+                )
+                added.append(request.request_id)
+        except Exception as exc:
+            # All or nothing: one rejected prompt rejects the call.
+            self.engine.abort_request(added)
+            self._send(command.stream, [exc])
+            return
+        for request in command.requests:
+            self._streams[request.request_id] = command.stream
+            self._prompt_pending[request.request_id] = len(request.prompt.prompt_token_ids)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[int, tuple[_OutputStream, list[RequestOutput | BaseException]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # its caller has gone (aborted after a disconnect)
+            if output.finished:
+                del self._streams[output.request_id]
+            batches.setdefault(id(stream), (stream, []))[1].append(output)
+        for stream, items in batches.values():
+            self._send(stream, items)
+
+    def _send(self, stream: _OutputStream, items: list[RequestOutput | BaseException]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_put_all, stream.queue, items)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every in-flight request with a clear error and free its blocks."""
+        error = EngineStepError(f"The engine failed while running this request: {exc!r}")
+        streams = {id(s): s for s in self._streams.values()}
+        request_ids = list(self._streams)
+        self._streams.clear()
+        self._prompt_pending.clear()
+        for stream in streams.values():
+            self._send(stream, [error])
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("aborting the failed requests failed too")
+
+    def _stop_in_flight(self) -> None:
+        """On shutdown: abort everything and flush the final "abort" outputs to callers."""
+        engine = self.engine
+        for command in self._take_commands(wait=False)[0]:
+            if isinstance(command, _Add):
+                self._send(command.stream, [EngineDeadError("The engine is shutting down.")])
+            elif isinstance(command, _Call):
+                command.future.set_exception(EngineDeadError("The engine is shutting down."))
+        try:
+            engine.abort_request(list(self._streams))
+            deadline = time.monotonic() + 5.0
+            while engine.has_unfinished_requests() and time.monotonic() < deadline:
+                self._deliver(engine.step())
+        except Exception:
+            logger.exception("flushing aborted requests at shutdown failed")
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            self._send(stream, [EngineDeadError("The engine stopped.")])
+        self._streams.clear()
+        self._prompt_pending.clear()
+        if self._dead_reason is None:
+            self._dead_reason = "shut down"
+
+    def _report_stats(self, outputs: list[RequestOutput]) -> None:
+        num_prompt_tokens = 0
+        num_generation_tokens = 0
+        for output in outputs:
+            num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
+            # A prompt counts once, when its request first reports (its prefill is done).
+            num_prompt_tokens += self._prompt_pending.pop(output.request_id, 0)
+        if self._on_stats is None:
+            return
+        try:
+            self._on_stats(self.engine.make_stats(), num_prompt_tokens, num_generation_tokens)
+        except Exception:
+            logger.exception("a stats callback failed")
+
+
+def _put_all(queue: asyncio.Queue, items: list[RequestOutput | BaseException]) -> None:
+    for item in items:
+        queue.put_nowait(item)

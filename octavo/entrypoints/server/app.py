@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
+
+Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, `/reset_prefix_cache`), the
+API-key check (every path but `/health`), opt-in CORS, and the process lifecycle: SIGTERM stops
+accepting connections, lets in-flight responses finish (aborting what is left after
+`graceful_shutdown_timeout_s`), stops the engine thread and exits 0.
+
+Must not: step the engine (the AsyncEngine thread does) or hold per-request state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+import octavo
+from octavo.config import EngineArgs
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.llm_engine import LLMEngine
+from octavo.entrypoints.server.errors import (
+    OpenAIError,
+    bad_request,
+    error_body,
+    from_value_error,
+    install_error_handlers,
+)
+from octavo.entrypoints.server.protocol import (
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from octavo.entrypoints.server.serving_chat import OpenAIServingChat, check_messages
+from octavo.entrypoints.server.serving_common import ServingContext, check_model, parse_body
+from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+# Paths a client may call without the API key.
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    # CORS is off unless origins are listed ("*" allows any).
+    allowed_origins: tuple[str, ...] = ()
+    # Larger bodies get 413 before they are parsed.
+    max_request_body_bytes: int = 16 << 20
+    # On SIGTERM, how long in-flight responses may run before they are aborted.
+    graceful_shutdown_timeout_s: float = 30.0
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or scope["method"] == "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            error_body(401, "Incorrect or missing API key.", None, "invalid_api_key"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+def build_app(
+    async_engine: AsyncEngine, config: ServerConfig, stat_logger: PrometheusStatLogger
+) -> FastAPI:
+    """The app over an AsyncEngine that its lifespan starts and shuts down."""
+    engine = async_engine.engine
+    engine_config = engine.config
+    context = ServingContext(
+        async_engine=async_engine,
+        model_name=engine_config.served_model_name,
+        max_model_len=engine_config.scheduler.max_model_len,
+        vocab_size=engine.input_processor.vocab_size,
+        max_request_body_bytes=config.max_request_body_bytes,
+    )
+    completions = OpenAIServingCompletion(context)
+    chat = OpenAIServingChat(context)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="octavo", version=octavo.__version__, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.async_engine = async_engine
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        return await completions.create(raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        return await chat.create(raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        card = ModelCard(id=context.model_name, root=engine_config.model,
+                         max_model_len=context.max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, TokenizeRequest, config.max_request_body_bytes)
+        check_model(context, request.model)
+        processor = engine.input_processor
+        try:
+            if request.messages is not None:
+                processed = processor.render_chat(
+                    check_messages(request.messages),
+                    add_generation_prompt=request.add_generation_prompt,
+                )
+            elif request.prompt is not None:
+                processed = processor.process_prompt(request.prompt, request.add_special_tokens)
+            else:
+                raise bad_request("Give prompt or messages.", "prompt")
+        except ValueError as exc:
+            raise from_value_error(exc, {"prompt", "messages"}, {}) from None
+        tokens = processed.prompt_token_ids
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, DetokenizeRequest, config.max_request_body_bytes)
+        check_model(context, request.model)
+        bad = [t for t in request.tokens if not 0 <= t < context.vocab_size]
+        if bad:
+            raise bad_request(
+                f"tokens: id {bad[0]} is out of range for vocab_size {context.vocab_size}.",
+                "tokens",
+            )
+        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            raise OpenAIError(503, f"The engine is not running: {async_engine.dead_reason}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": octavo.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stat_logger.render(), media_type=stat_logger.content_type)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        reset = await async_engine.call(lambda e: e.reset_prefix_cache())
+        return JSONResponse({"success": bool(reset)})
+
+    return app
+
+
+def make_server_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """An app over a loaded engine, with Prometheus stats recorded on every step."""
+    stat_logger = PrometheusStatLogger(engine.config.served_model_name)
+    async_engine = AsyncEngine(engine, on_stats=stat_logger.record)
+    return build_app(async_engine, config, stat_logger)
+
+
+def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
+    """Load the model, serve until SIGTERM or Ctrl-C, shut down gracefully; returns 0."""
+    import uvicorn
+
+    engine = LLMEngine.from_engine_args(engine_args)
+    app = make_server_app(engine, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+        )
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; with this handler in
+    # place that re-raise is a no-op and the process exits 0 after a graceful stop.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    logger.info("server stopped")
+    return 0

@@ -1,0 +1,271 @@
+"""`POST /v1/completions`: OpenAI's legacy completions, streaming (SSE) or not.
+
+Owns the request -> engine requests mapping (one engine request per prompt; `n` samples per
+prompt come back as completion indices, choice index = prompt index * n + sample index) and the
+response and chunk shapes, including legacy `logprobs` and `echo`.
+
+Must not: step the engine or wait on anything but the AsyncEngine stream; tokenization happens
+here (before submitting) so the step loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from octavo.engine.async_engine import EngineRequest
+from octavo.engine.outputs import CompletionOutput
+from octavo.entrypoints.server.errors import bad_request
+from octavo.entrypoints.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from octavo.entrypoints.server.serving_common import (
+    SSE_DONE,
+    PromptUsage,
+    ServingContext,
+    check_model,
+    clamp_logprob,
+    decoded,
+    engine_error_body,
+    engine_error_to_openai,
+    make_sampling_params,
+    make_usage,
+    new_request_id,
+    parse_body,
+    process_prompt,
+    run_unless_disconnected,
+    sse,
+)
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice's output gathered across steps (non-streaming), or its streaming position."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: CompletionLogprobs | None = None
+    # Characters of text (echoed prompt included) before the next token, for text_offset.
+    offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    is_started: bool = False
+
+
+class OpenAIServingCompletion:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    async def create(self, raw_request: Request) -> Response:
+        context = self.context
+        request = await parse_body(raw_request, CompletionRequest, context.max_request_body_bytes)
+        check_model(context, request.model)
+        _check_unsupported(request)
+        params = make_sampling_params(context, request, request.max_tokens, request.logprobs, {})
+        processor = context.async_engine.engine.input_processor
+        engine_requests: list[EngineRequest] = []
+        request_id = new_request_id("cmpl")
+        arrival_time = time.monotonic()
+        prompts = _prompt_list(request.prompt)
+        echoes: list[str] = []
+        for index, prompt in enumerate(prompts):
+            processed = await process_prompt(
+                context,
+                lambda p=prompt: processor.process_prompt(p, request.add_special_tokens),
+                len(prompt),
+                params,
+                {},
+            )
+            engine_requests.append(
+                EngineRequest(f"{request_id}-{index}", processed, params, arrival_time)
+            )
+            if request.echo:
+                echoes.append(processed.prompt if processed.prompt is not None else
+                              context.async_engine.engine.tokenizer.decode(
+                                  processed.prompt_token_ids))
+        run = _Run(context, request, request_id, engine_requests, echoes)
+        if request.stream:
+            return StreamingResponse(run.stream(), media_type="text/event-stream")
+        response = await run_unless_disconnected(raw_request, run.collect())
+        if response is None:
+            return Response(status_code=499)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _check_unsupported(request: CompletionRequest) -> None:
+    if request.suffix:
+        raise bad_request("suffix is not supported.", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of other than n is not supported.", "best_of")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which are not supported.",
+                          "echo")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+class _Run:
+    """One HTTP request's engine requests, turned into a response or a stream of chunks."""
+
+    def __init__(
+        self,
+        context: ServingContext,
+        request: CompletionRequest,
+        request_id: str,
+        engine_requests: list[EngineRequest],
+        echoes: list[str],
+    ) -> None:
+        self.context = context
+        self.request = request
+        self.request_id = request_id
+        self.engine_requests = engine_requests
+        self.echoes = echoes
+        self.created = int(time.time())
+        self.prompt_index = {r.request_id: i for i, r in enumerate(engine_requests)}
+        self.usage = [PromptUsage(len(r.prompt.prompt_token_ids)) for r in engine_requests]
+        n = request.n
+        self.choices = [_Choice() for _ in range(len(engine_requests) * n)]
+        if request.logprobs is not None:
+            for choice in self.choices:
+                choice.logprobs = CompletionLogprobs()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """(choice index, delta) in the order steps produce them."""
+        engine = self.context.async_engine
+        async with aclosing(engine.generate(self.engine_requests)) as outputs:
+            async for output in outputs:
+                prompt_index = self.prompt_index[output.request_id]
+                self.usage[prompt_index].update(output)
+                for completion in output.outputs:
+                    yield prompt_index * self.request.n + completion.index, completion
+
+    def _add(self, index: int, completion: CompletionOutput) -> str:
+        """Fold a delta into its choice; returns the delta's text (with the echo, if first)."""
+        choice = self.choices[index]
+        text = completion.text
+        if not choice.is_started:
+            choice.is_started = True
+            if self.echoes:
+                text = self.echoes[index // self.request.n] + text
+                choice.offset = len(text) - len(completion.text)
+        choice.num_tokens += len(completion.token_ids)
+        if choice.logprobs is not None and completion.logprobs is not None:
+            choice.offset = _append_logprobs(choice.logprobs, completion, choice.offset)
+        choice.finish_reason = completion.finish_reason
+        choice.stop_reason = completion.stop_reason
+        return text
+
+    def _usage(self):
+        return make_usage(
+            sum(u.num_prompt_tokens for u in self.usage),
+            sum(c.num_tokens for c in self.choices),
+            sum(u.num_cached_tokens for u in self.usage),
+        )
+
+    async def collect(self) -> CompletionResponse:
+        try:
+            async for index, completion in self._outputs():
+                self.choices[index].text.append(self._add(index, completion))
+        except Exception as exc:
+            raise engine_error_to_openai(exc) from None
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.context.model_name,
+            choices=[
+                CompletionChoice(
+                    index=index,
+                    text="".join(choice.text),
+                    logprobs=choice.logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+                for index, choice in enumerate(self.choices)
+            ],
+            usage=self._usage(),
+        )
+
+    async def stream(self) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = options is not None and options.include_usage
+        exclude = None if include_usage else {"usage"}
+        try:
+            async for index, completion in self._outputs():
+                num_logprobs_before = self._num_logprobs(index)
+                text = self._add(index, completion)
+                if not text and not completion.token_ids and completion.finish_reason is None:
+                    continue  # nothing new for the client (text held back at a UTF-8 split)
+                choice = self.choices[index]
+                chunk = CompletionChunk(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.context.model_name,
+                    choices=[
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=_logprobs_since(choice.logprobs, num_logprobs_before),
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    ],
+                )
+                yield sse(chunk, exclude)
+            if include_usage:
+                yield sse(CompletionChunk(id=self.request_id, created=self.created,
+                                          model=self.context.model_name, choices=[],
+                                          usage=self._usage()))
+        except Exception as exc:
+            yield sse(engine_error_body(exc))
+        yield SSE_DONE
+
+    def _num_logprobs(self, index: int) -> int:
+        logprobs = self.choices[index].logprobs
+        return 0 if logprobs is None else len(logprobs.tokens)
+
+
+def _append_logprobs(
+    logprobs: CompletionLogprobs, completion: CompletionOutput, offset: int
+) -> int:
+    for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
+        sampled = position[token_id]
+        token = decoded(sampled.decoded_token)
+        logprobs.tokens.append(token)
+        logprobs.token_logprobs.append(clamp_logprob(sampled.logprob))
+        logprobs.text_offset.append(offset)
+        offset += len(token)
+        ranked = sorted(position.values(), key=lambda lp: lp.rank or 0)
+        logprobs.top_logprobs.append(
+            {decoded(lp.decoded_token): clamp_logprob(lp.logprob) for lp in ranked}
+        )
+    return offset
+
+
+def _logprobs_since(logprobs: CompletionLogprobs | None, start: int) -> CompletionLogprobs | None:
+    if logprobs is None:
+        return None
+    return CompletionLogprobs(
+        text_offset=logprobs.text_offset[start:],
+        token_logprobs=logprobs.token_logprobs[start:],
+        tokens=logprobs.tokens[start:],
+        top_logprobs=logprobs.top_logprobs[start:],
+    )

@@ -1,0 +1,105 @@
+"""One octavo server for the whole `tests/server` session: uvicorn in a thread on a free
+127.0.0.1 port, over the embedded model in float32 with a modest KV pool and an API key.
+
+Loading the model takes seconds, so every module shares this server. Tests reach the engine only
+through the AsyncEngine (`call` runs a function on the engine thread between steps), never by
+touching LLMEngine from the test thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from octavo.config import EngineArgs
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.llm_engine import LLMEngine
+from octavo.entrypoints.server.app import ServerConfig, make_server_app
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    api_key: str
+    async_engine: AsyncEngine
+    app: Any
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 60.0) -> Any:
+        """Run `fn(engine)` on the engine thread and return its result."""
+        loop = self.async_engine.loop
+        assert loop is not None
+        future = asyncio.run_coroutine_threadsafe(self.async_engine.call(fn), loop)
+        return future.result(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Wait until no request is left in the engine (aborts finish on the next step)."""
+        deadline = time.monotonic() + timeout_s
+        while self.call(lambda e: e.has_unfinished_requests()):
+            assert time.monotonic() < deadline, "the engine did not become idle"
+            time.sleep(0.05)
+
+    def assert_no_leak(self) -> None:
+        """Idle engine: no request anywhere, every KV block free, queues consistent."""
+        self.wait_idle()
+
+        def check(engine: LLMEngine) -> tuple[int, int, int, int]:
+            engine.scheduler.check_integrity()
+            stats = engine.make_stats()
+            return (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
+                    stats.num_blocks)
+
+        running, waiting, free, total = self.call(check)
+        assert (running, waiting) == (0, 0)
+        assert free == total, f"{total - free} KV blocks leaked"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    import uvicorn
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_tokens=16384,
+                   max_num_seqs=64, seed=0)
+    )
+    config = ServerConfig(host="127.0.0.1", port=_free_port(), api_key=API_KEY,
+                          max_request_body_bytes=MAX_BODY_BYTES)
+    app = make_server_app(engine, config)
+    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                       log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=uv.run, name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield RunningServer(f"http://127.0.0.1:{config.port}", API_KEY, app.state.async_engine, app)
+    uv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def http(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client:
+        yield client

@@ -1,0 +1,201 @@
+"""AsyncEngine over a fake LLMEngine (no model, milliseconds): delivery, aborts on close, idle
+sleep, rejected requests, step failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import aclosing
+
+import pytest
+
+from octavo.core.sampling_params import SamplingParams
+from octavo.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    EngineStepError,
+)
+from octavo.engine.input_processor import ProcessedPrompt
+from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.metrics.stats import SchedulerStats
+
+REJECTED_PROMPT = [666]
+
+
+class FakeEngine:
+    """One token "t" per step per request until max_tokens; aborts report on the next step."""
+
+    def __init__(self) -> None:
+        self.remaining: dict[str, int] = {}
+        self.to_report_aborted: list[str] = []
+        self.aborted: list[str] = []
+        self.num_steps = 0
+        self.fail_steps = 0
+        self.callers: set[str] = set()
+
+    def add_request(self, request_id, prompt, params, output_kind, arrival_time) -> None:
+        self.callers.add(threading.current_thread().name)
+        if prompt.prompt_token_ids == REJECTED_PROMPT:
+            raise ValueError("prompt token id 666 is out of range for vocab_size 10.")
+        self.remaining[request_id] = params.max_tokens
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in request_ids:
+            if self.remaining.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+                self.to_report_aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.remaining or self.to_report_aborted)
+
+    def step(self) -> list[RequestOutput]:
+        self.callers.add(threading.current_thread().name)
+        self.num_steps += 1
+        time.sleep(0.005)
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("boom")
+        outputs = [_output(r, "", [], "abort") for r in self.to_report_aborted]
+        self.to_report_aborted = []
+        for request_id in list(self.remaining):
+            self.remaining[request_id] -= 1
+            done = self.remaining[request_id] == 0
+            if done:
+                del self.remaining[request_id]
+            outputs.append(_output(request_id, "t", [7], "length" if done else None))
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=len(self.remaining))
+
+
+def _output(request_id: str, text: str, token_ids: list[int], finish: str | None):
+    completion = CompletionOutput(0, text, token_ids, None, None, finish)
+    return RequestOutput(request_id, None, [1, 2], [completion], finish is not None)
+
+
+def _request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = None):
+    return EngineRequest(request_id, ProcessedPrompt(None, prompt or [1, 2]),
+                         SamplingParams(max_tokens=max_tokens), time.monotonic())
+
+
+def _run(coro_fn):
+    """Run `coro_fn(async_engine, fake, stats)` with a started engine; shut it down after."""
+    fake = FakeEngine()
+    stats: list[tuple[int, int]] = []
+
+    async def main():
+        engine = AsyncEngine(fake, on_stats=lambda s, p, g: stats.append((p, g)))
+        engine.start()
+        try:
+            return await coro_fn(engine, fake, stats)
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    return asyncio.run(main()), fake, stats
+
+
+async def _collect(engine: AsyncEngine, requests) -> list[tuple[str, str, str | None]]:
+    async with aclosing(engine.generate(requests)) as outputs:
+        return [(o.request_id, o.outputs[0].text, o.outputs[0].finish_reason)
+                async for o in outputs]
+
+
+def test_outputs_arrive_in_order_and_only_the_engine_thread_calls_the_engine() -> None:
+    async def body(engine, fake, stats):
+        return await _collect(engine, [_request("a", 2), _request("b", 3)])
+
+    outputs, fake, stats = _run(body)
+    assert outputs == [("a", "t", None), ("b", "t", None), ("a", "t", "length"),
+                       ("b", "t", None), ("b", "t", "length")]
+    assert fake.callers == {"octavo-engine"}
+    # Each prompt (2 tokens) counted once; one token per request per step.
+    assert sum(p for p, _ in stats) == 4 and sum(g for _, g in stats) == 5
+
+
+def test_the_thread_sleeps_when_idle() -> None:
+    async def body(engine, fake, stats):
+        await _collect(engine, [_request("a", 2)])
+        steps = fake.num_steps
+        await asyncio.sleep(0.3)
+        return steps, fake.num_steps
+
+    (before, after), _, _ = _run(body)
+    assert before == after == 2
+
+
+def test_closing_the_stream_aborts_the_request() -> None:
+    async def body(engine, fake, stats):
+        async with aclosing(engine.generate([_request("a", 1000)])) as outputs:
+            async for _ in outputs:
+                break
+        deadline = time.monotonic() + 5
+        while fake.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return fake.num_steps
+
+    num_steps, fake, _ = _run(body)
+    assert fake.aborted == ["a"] and num_steps < 10
+
+
+def test_a_rejected_request_raises_and_rejects_its_whole_call() -> None:
+    async def body(engine, fake, stats):
+        with pytest.raises(ValueError, match="out of range"):
+            await _collect(engine, [_request("ok", 5), _request("bad", 5, REJECTED_PROMPT)])
+        deadline = time.monotonic() + 5
+        while fake.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return await _collect(engine, [_request("next", 1)])
+
+    outputs, fake, _ = _run(body)
+    assert fake.aborted == ["ok"]
+    assert outputs == [("next", "t", "length")]
+
+
+def test_a_failed_step_fails_every_request_and_repeats_kill_the_engine() -> None:
+    async def body(engine, fake, stats):
+        fake.fail_steps = 1
+        results = await asyncio.gather(
+            _collect(engine, [_request("a", 5)]), _collect(engine, [_request("b", 5)]),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, EngineStepError) and "boom" in str(r) for r in results)
+        assert sorted(fake.aborted) == ["a", "b"]
+        # One failure is survivable: the next request runs.
+        assert await _collect(engine, [_request("c", 1)]) == [("c", "t", "length")]
+        fake.fail_steps = 3
+        with pytest.raises(EngineStepError):
+            await _collect(engine, [_request("d", 5)])
+        # The failed request's abort is flushed by further (failing) steps.
+        await asyncio.sleep(0.05)
+        assert not engine.is_running and "3 engine steps failed" in engine.dead_reason
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, [_request("g", 1)])
+
+    _run(body)
+
+
+def test_shutdown_aborts_in_flight_requests() -> None:
+    async def body(engine, fake, stats):
+        outputs = []
+
+        async def consume():
+            async with aclosing(engine.generate([_request("a", 10_000)])) as stream:
+                async for output in stream:
+                    outputs.append(output.outputs[0].finish_reason)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(engine.shutdown)
+        await asyncio.wait_for(task, 5)
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, [_request("b", 1)])
+        return outputs
+
+    outputs, fake, _ = _run(body)
+    assert outputs[-1] == "abort" and set(outputs[:-1]) == {None}
+    assert fake.aborted == ["a"] and not fake.has_unfinished_requests()
