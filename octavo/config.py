@@ -31,16 +31,27 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
+ADMISSION_POLICIES = ("current", "reserve", "ratio")
+PREEMPT_VICTIMS = ("newest", "least-output")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Admission policy (core/admission.py): current (vLLM), reserve (TGI), ratio (SGLang).
+    admission: str = "current"
+    # Share of the KV pool kept free when a request is admitted.
+    watermark: float = 0.0
+    # Overrides the policy's victim rule; None keeps the policy's own.
+    preempt_victim: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        _check_admission(self.admission, self.watermark, self.preempt_victim)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class EngineConfig:
     seed: int
     cache: CacheConfig
     scheduler: SchedulerConfig
+    # JSON-lines file that gets one line per finished request; None: no log.
+    request_log: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -74,6 +87,10 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     served_model_name: str | None = None
+    admission: str = "current"
+    watermark: float = 0.0
+    preempt_victim: str | None = None
+    request_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -91,3 +108,17 @@ class EngineArgs:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")
+        _check_admission(self.admission, self.watermark, self.preempt_victim)
+
+
+def _check_admission(admission: str, watermark: float, preempt_victim: str | None) -> None:
+    if admission not in ADMISSION_POLICIES:
+        raise ValueError(
+            f"admission must be one of {', '.join(ADMISSION_POLICIES)}; got {admission!r}."
+        )
+    if not 0.0 <= watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark}.")
+    if preempt_victim is not None and preempt_victim not in PREEMPT_VICTIMS:
+        raise ValueError(
+            f"preempt_victim must be one of {', '.join(PREEMPT_VICTIMS)}; got {preempt_victim!r}."
+        )

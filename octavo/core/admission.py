@@ -4,15 +4,68 @@ when a running request cannot get a block.
 A policy is consulted by the scheduler and decides nothing else: it never allocates, frees or
 changes a request, and it reads the KV cache manager only through its public counters. The
 scheduler keeps the mechanics that every policy shares (the blocks for the next chunk must be
-free; preemption frees blocks and sends the victim back to the front of the waiting queue).
+free; preemption frees blocks and sends the victim back to the front of the waiting queue; a
+step that preempted admits nothing).
+
+Three policies, one per deployment (`--admission`), each a known server's answer to "how much
+KV must be free for an answer nobody has written yet":
+
+- `current` (vLLM): only the next chunk's blocks, plus a watermark. Full pool, but a running
+  request that finds no block evicts the newest one, which recomputes later.
+- `reserve` (TGI): the whole prompt + max_tokens of every running request. Never evicts; the
+  price is queueing (time to first token) and idle capacity when answers end early.
+- `ratio` (SGLang): each running request's clipped remaining answer x a ratio that learns from
+  evictions. Victim: the request with the least output (it loses the least work).
+
+Every policy also keeps `watermark` of the pool free at admission, and takes a victim rule
+that `--preempt-victim` may override.
+
+Must not: import torch, measure time, or touch anything above `core`.
 """
 
 from __future__ import annotations
 
 import abc
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from octavo.config import SchedulerConfig
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.request import Request
+
+# Chooses a victim among the running requests (non-empty, oldest first).
+VictimRule = Callable[[list[Request]], Request]
+
+
+def newest_victim(running: list[Request]) -> Request:
+    """vLLM's rule: the last admitted request has the least invested in it, in general."""
+    return running[-1]
+
+
+def least_output_victim(running: list[Request]) -> Request:
+    """SGLang's rule: the fewest output tokens (the least decode work lost); among equals the
+    longest prompt (it frees the most blocks), then the newest."""
+    return min(reversed(running), key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
+
+
+VICTIM_RULES: dict[str, VictimRule] = {
+    "newest": newest_victim,
+    "least-output": least_output_victim,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionCandidate:
+    """The waiting request the scheduler would admit next, and what its admission takes."""
+
+    request: Request
+    # Tokens of its first chunk this step, starting right after the prefix-cache hits.
+    num_new_tokens: int
+    # Tokens covered by prefix-cache hits (whole blocks).
+    num_hit_tokens: int
+    # Hit blocks that sit in the free queue: taking them lowers the free count too.
+    num_free_hit_blocks: int
 
 
 class AdmissionPolicy(abc.ABC):
@@ -20,16 +73,18 @@ class AdmissionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def can_admit(
-        self, request: Request, num_new_tokens: int, kv_cache_manager: KVCacheManager
+        self,
+        candidate: AdmissionCandidate,
+        running: list[Request],
+        kv_cache_manager: KVCacheManager,
     ) -> bool:
-        """Whether the waiting `request` may start this step with a first chunk of
-        `num_new_tokens` tokens.
+        """Whether the waiting `candidate.request` may start this step.
 
         Called for the request at the front of the waiting queue, after its prefix-cache hits
-        have been looked up (the chunk starts right after them, on a block boundary) and
-        before any block is allocated. It is an extra condition: the scheduler still requires
-        the chunk's blocks to be free. False keeps the request, and every one behind it,
-        waiting this step. Must not mutate the request or the manager.
+        have been looked up and before any block is allocated; `running` (oldest first)
+        includes the requests admitted earlier in this step. It is an extra condition: the
+        scheduler still requires the chunk's blocks to be free. False keeps the request, and
+        every one behind it, waiting this step. Must not mutate anything.
         """
 
     @abc.abstractmethod
@@ -41,6 +96,20 @@ class AdmissionPolicy(abc.ABC):
         member of `running` and mutate nothing: the scheduler does the preemption.
         """
 
+    def observe_step(self, running: list[Request], num_preempted: int) -> None:
+        """Called once at the end of every `schedule()` with the requests left running and
+        how many were preempted in that step. Policies that learn update their state here;
+        must not mutate the requests."""
+
+
+def _watermark_blocks(watermark: float, kv_cache_manager: KVCacheManager) -> int:
+    return int(watermark * kv_cache_manager.num_blocks)
+
+
+def _check_watermark(watermark: float) -> None:
+    if not 0.0 <= watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark}.")
+
 
 class CurrentPolicy(AdmissionPolicy):
     """vLLM's rule: admit while the chunk's blocks are free and, after taking them, at least
@@ -51,19 +120,191 @@ class CurrentPolicy(AdmissionPolicy):
     it: those blocks hold the request's own prefix, which it needs in any case.
     """
 
-    def __init__(self, watermark: float = 0.0) -> None:
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}.")
+    def __init__(self, watermark: float = 0.0, victim: VictimRule = newest_victim) -> None:
+        _check_watermark(watermark)
         self.watermark = watermark
+        self.victim = victim
 
     def can_admit(
-        self, request: Request, num_new_tokens: int, kv_cache_manager: KVCacheManager
+        self,
+        candidate: AdmissionCandidate,
+        running: list[Request],
+        kv_cache_manager: KVCacheManager,
     ) -> bool:
         if self.watermark == 0.0:
             return True
-        watermark_blocks = int(self.watermark * kv_cache_manager.num_blocks)
-        num_chunk_blocks = -(-num_new_tokens // kv_cache_manager.block_size)
-        return kv_cache_manager.num_free_blocks - num_chunk_blocks >= watermark_blocks
+        kv = kv_cache_manager
+        num_chunk_blocks = -(-candidate.num_new_tokens // kv.block_size)
+        return kv.num_free_blocks - num_chunk_blocks >= _watermark_blocks(self.watermark, kv)
 
     def select_victim(self, running: list[Request]) -> Request:
-        return running[-1]
+        return self.victim(running)
+
+
+# --- reserving policies -----------------------------------------------------------------------
+
+
+def _num_blocks_to_grow(request: Request, num_answer_tokens: int, kv: KVCacheManager) -> int:
+    """Blocks the request would still take from the pool to hold every token it knows plus
+    `num_answer_tokens` more, beyond the blocks it holds (shared ones included)."""
+    num_final_tokens = request.num_tokens + num_answer_tokens
+    num_held_blocks = len(kv.get_block_ids(request.request_id))
+    return max(-(-num_final_tokens // kv.block_size) - num_held_blocks, 0)
+
+
+def _fits_beside_reservations(
+    candidate: AdmissionCandidate,
+    num_candidate_answer_tokens: int,
+    reservations: Iterable[tuple[Request, int]],
+    kv: KVCacheManager,
+    watermark: float,
+) -> bool:
+    """Whether the candidate's whole reservation fits in the free blocks left after every
+    running request's reservation (`reservations`: request, answer tokens still reserved).
+
+    Counting what each request still has to grow (not what it holds) keeps shared prefix
+    blocks counted once. The candidate's hits on free cached blocks leave the free queue
+    without lowering anybody's growth, so they are charged to it.
+
+        free blocks: |<- running requests' growth ->|<- candidate: growth + free hits ->| >= 0
+    """
+    request = candidate.request
+    num_reserved = sum(_num_blocks_to_grow(r, n, kv) for r, n in reservations)
+    num_final_tokens = request.num_tokens + num_candidate_answer_tokens
+    num_hit_blocks = candidate.num_hit_tokens // kv.block_size
+    num_needed = -(-num_final_tokens // kv.block_size) - num_hit_blocks
+    num_needed += candidate.num_free_hit_blocks
+    num_available = kv.num_free_blocks - num_reserved - _watermark_blocks(watermark, kv)
+    return num_needed <= num_available
+
+
+def _remaining_answer(request: Request) -> int:
+    return max(request.max_tokens - request.num_output_tokens, 0)
+
+
+class ReservePolicy(AdmissionPolicy):
+    """TGI's rule: a request starts only when its prompt + max_tokens fit beside every running
+    request's own prompt + max_tokens. Nothing can then run out of blocks, so it never evicts.
+
+    An empty batch always takes the candidate: the engine keeps prompt + max_tokens within
+    max_model_len, which fits the pool, and refusing it would stall the queue for good.
+    """
+
+    def __init__(self, watermark: float = 0.0, victim: VictimRule = newest_victim) -> None:
+        _check_watermark(watermark)
+        self.watermark = watermark
+        # Only reached if the engine's sizing guarantee is broken (a request larger than the
+        # pool); kept so that the scheduler still makes progress then.
+        self.victim = victim
+
+    def can_admit(
+        self,
+        candidate: AdmissionCandidate,
+        running: list[Request],
+        kv_cache_manager: KVCacheManager,
+    ) -> bool:
+        if not running:
+            return True
+        reservations = ((r, _remaining_answer(r)) for r in running)
+        return _fits_beside_reservations(
+            candidate,
+            _remaining_answer(candidate.request),
+            reservations,
+            kv_cache_manager,
+            self.watermark,
+        )
+
+    def select_victim(self, running: list[Request]) -> Request:
+        return self.victim(running)
+
+
+class RatioPolicy(AdmissionPolicy):
+    """SGLang's rule: reserve, per running request, its remaining answer (max_tokens minus the
+    output so far, clipped at `clip_tokens`) times `ratio`; the candidate must fit with its
+    whole clipped answer.
+
+    The ratio is an estimate of how much of max_tokens answers really use. It starts at
+    `init_ratio` and, every step that evicts nothing while requests run, decays by
+    (init_ratio - min_ratio) / decay_steps down to `min_ratio`: memory was enough, so admit
+    more. After a step that evicted it is reset from what the requests left running used:
+    (their output so far + `reset_headroom_tokens` each) / (their clipped max_tokens),
+    kept within [min_ratio, 1]. With nothing left running it goes back to `init_ratio`.
+    Victim: the request with the least output.
+    """
+
+    def __init__(
+        self,
+        watermark: float = 0.0,
+        victim: VictimRule = least_output_victim,
+        init_ratio: float = 0.7,
+        min_ratio: float = 0.1,
+        decay_steps: int = 600,
+        clip_tokens: int = 4096,
+        reset_headroom_tokens: int = 20,
+    ) -> None:
+        _check_watermark(watermark)
+        if not 0.0 < min_ratio <= init_ratio <= 1.0:
+            raise ValueError(
+                f"need 0 < min_ratio <= init_ratio <= 1, got {min_ratio} and {init_ratio}."
+            )
+        if decay_steps < 1:
+            raise ValueError(f"decay_steps must be >= 1, got {decay_steps}.")
+        self.watermark = watermark
+        self.victim = victim
+        self.init_ratio = init_ratio
+        self.min_ratio = min_ratio
+        self.decay = (init_ratio - min_ratio) / decay_steps
+        self.clip_tokens = clip_tokens
+        self.reset_headroom_tokens = reset_headroom_tokens
+        self.ratio = init_ratio
+
+    def _reserved_answer(self, request: Request) -> int:
+        # Rounded before the ceiling so that 0.7 * 10 reserves 7 tokens, not 8.
+        return math.ceil(round(min(_remaining_answer(request), self.clip_tokens) * self.ratio, 6))
+
+    def can_admit(
+        self,
+        candidate: AdmissionCandidate,
+        running: list[Request],
+        kv_cache_manager: KVCacheManager,
+    ) -> bool:
+        if not running:
+            return True
+        reservations = ((r, self._reserved_answer(r)) for r in running)
+        return _fits_beside_reservations(
+            candidate,
+            min(_remaining_answer(candidate.request), self.clip_tokens),
+            reservations,
+            kv_cache_manager,
+            self.watermark,
+        )
+
+    def select_victim(self, running: list[Request]) -> Request:
+        return self.victim(running)
+
+    def observe_step(self, running: list[Request], num_preempted: int) -> None:
+        if num_preempted:
+            self.ratio = self._ratio_from_usage(running)
+        elif running:
+            self.ratio = max(self.ratio - self.decay, self.min_ratio)
+
+    def _ratio_from_usage(self, running: list[Request]) -> float:
+        num_max_tokens = sum(min(r.max_tokens, self.clip_tokens) for r in running)
+        if num_max_tokens == 0:
+            return self.init_ratio
+        num_used = sum(r.num_output_tokens + self.reset_headroom_tokens for r in running)
+        return min(max(num_used / num_max_tokens, self.min_ratio), 1.0)
+
+
+def make_admission_policy(config: SchedulerConfig) -> AdmissionPolicy:
+    """The policy a SchedulerConfig names, with its watermark and victim override."""
+    overrides = {}
+    if config.preempt_victim is not None:
+        overrides["victim"] = VICTIM_RULES[config.preempt_victim]
+    if config.admission == "current":
+        return CurrentPolicy(config.watermark, **overrides)
+    if config.admission == "reserve":
+        return ReservePolicy(config.watermark, **overrides)
+    if config.admission == "ratio":
+        return RatioPolicy(config.watermark, **overrides)
+    raise ValueError(f"admission {config.admission!r} is not a known policy.")

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.core.admission import AdmissionPolicy, CurrentPolicy
+from octavo.core.admission import AdmissionCandidate, AdmissionPolicy, make_admission_policy
 from octavo.core.block_hash import extend_block_hashes
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -76,7 +76,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.policy = policy if policy is not None else CurrentPolicy()
+        self.policy = policy if policy is not None else make_admission_policy(scheduler_config)
         # Unfinished requests only; a request leaves when it finishes or is aborted.
         self.requests: dict[str, Request] = {}
         # FCFS; preempted requests go back to the front.
@@ -142,6 +142,7 @@ class Scheduler:
         # A preemption says memory is short: admitting now would only preempt again.
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
+        self.policy.observe_step(self.running, len(plan.preempted_req_ids))
         output = self._make_output(plan)
         for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new_tokens
@@ -198,7 +199,13 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
-            if not self.policy.can_admit(request, num_new_tokens, kv):
+            candidate = AdmissionCandidate(
+                request,
+                num_new_tokens,
+                num_hit_tokens,
+                num_free_hit_blocks=sum(1 for block in computed_blocks if block.ref_cnt == 0),
+            )
+            if not self.policy.can_admit(candidate, self.running, kv):
                 break
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
