@@ -6,6 +6,10 @@ processor. `step()` is the one data flow of the engine:
 The engine owns no policy of its own: admission lives in the scheduler, tensors in the runner,
 text in the output processor. It fans `n > 1` out into child requests, which the scheduler
 sees as independent streams sharing the prompt's cached blocks.
+
+It is the layer that reads the clock for stats: each step it reports to its
+RequestStatsTracker when requests were scheduled, evicted, got tokens and finished, and hands
+the step's SchedulerStats and IterationStats to its stat loggers (Prometheus, request log).
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ import time
 from transformers import PreTrainedTokenizerBase
 
 from octavo.config import EngineArgs, EngineConfig
+from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import Request
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler import Scheduler
+from octavo.core.scheduler_output import SchedulerOutput
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from octavo.engine.output_processor import OutputKind, OutputProcessor
 from octavo.engine.outputs import RequestOutput
-from octavo.metrics.stats import SchedulerStats
+from octavo.metrics.request_log import RequestLogWriter
+from octavo.metrics.stats import SchedulerStats, StatLogger
+from octavo.metrics.tracker import RequestStatsTracker
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,6 +60,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
+        self.stats_tracker = RequestStatsTracker()
+        self.stat_loggers: list[StatLogger] = []
+        if config.request_log is not None:
+            self.stat_loggers.append(RequestLogWriter(config.request_log))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -124,6 +136,9 @@ class LLMEngine:
                 child_id, processed.prompt_token_ids, child_params, max_tokens, arrival_time
             )
             self.scheduler.add_request(request)
+            self.stats_tracker.add_request(
+                child_id, arrival_time, len(processed.prompt_token_ids), max_tokens
+            )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests in any state; their blocks return to the pool at once."""
@@ -131,17 +146,61 @@ class LLMEngine:
             request_ids = [request_ids]
         core_ids = self.output_processor.abort_requests(request_ids)
         self.scheduler.abort_requests(core_ids)
+        now = time.monotonic()
+        for core_id in core_ids:
+            self.stats_tracker.record_finished(core_id, "abort", now)
 
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        step_start_time = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute(scheduler_output)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         # The one backward edge: stop strings found in the text end requests next step.
         self.scheduler.abort_requests(processed.reqs_to_abort)
+        self._record_stats(step_start_time, scheduler_output, core_outputs, processed.reqs_to_abort)
         return processed.request_outputs
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Hand every later step's stats to `stat_logger` (on the thread that steps)."""
+        self.stat_loggers.append(stat_logger)
+
+    def _record_stats(
+        self,
+        step_start_time: float,
+        scheduler_output: SchedulerOutput,
+        core_outputs: list[EngineCoreOutput],
+        stopped_req_ids: list[str],
+    ) -> None:
+        """Scheduling and evictions are stamped with the step's start, tokens and finishes
+        with its end (when the outputs are ready for callers)."""
+        now = time.monotonic()
+        tracker = self.stats_tracker
+        tracker.record_scheduled(
+            (new_req.request_id for new_req in scheduler_output.scheduled_new_reqs),
+            step_start_time,
+        )
+        tracker.record_preempted(scheduler_output.preempted_req_ids, step_start_time)
+        for output in core_outputs:
+            tracker.record_tokens(output.request_id, len(output.new_token_ids), now)
+            if output.finish_reason is not None:
+                tracker.record_finished(output.request_id, output.finish_reason, now)
+        # Stopped by a stop string: the scheduler saw an abort, the caller sees "stop".
+        for request_id in stopped_req_ids:
+            tracker.record_finished(request_id, "stop", now)
+        iteration_stats = tracker.take_iteration_stats(
+            scheduler_output.total_num_scheduled_tokens
+        )
+        if not self.stat_loggers:
+            return
+        scheduler_stats = self.scheduler.make_stats()
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

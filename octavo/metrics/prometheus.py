@@ -1,9 +1,10 @@
 """Prometheus exposition of engine stats, with vLLM's metric names, types and labels.
 
 Owns one CollectorRegistry per logger (so several engines or test servers in one process do
-not collide) and the metric objects in it. Stats come in as plain numbers and snapshot
-dataclasses from `metrics.stats`; Prometheus text goes out. Every series carries the one label
-`model_name`; never a per-request label.
+not collide) and the metric objects in it. Stats come in as snapshot dataclasses from
+`metrics.stats`; Prometheus text goes out. Every series carries the label `model_name`
+(`vllm:request_success` adds `finished_reason`); never a per-request label. Metrics vLLM does
+not have are named `octavo:*`.
 
 Must not: import the engine or the server, or compute stats itself (callers hand them over).
 `record` runs on the engine thread and `render` on the server's event loop: prometheus_client
@@ -17,24 +18,70 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
 )
 
-from octavo.metrics.stats import SchedulerStats
+from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 LABEL_NAMES = ["model_name"]
+FINISH_REASONS = ("stop", "length", "abort")
+
+# vLLM's buckets, so that dashboards built on its quantiles read the same.
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# A freeze is a recomputation plus a wait for room: from a blink to minutes.
+FREEZE_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                    160.0, 320.0]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def build_power_of_2_buckets(max_value: int) -> list[int]:
+    """1, 8, 16, 32, ... up to and including max_value (tokens per step)."""
+    buckets = [1]
+    value = 8
+    while value < max_value:
+        buckets.append(value)
+        value *= 2
+    buckets.append(max_value)
+    return buckets
 
 
 class PrometheusStatLogger:
-    """vLLM's gauges for the scheduler's state and counters for tokens processed.
+    """vLLM's gauges for the scheduler's state, counters for tokens, requests, preemptions and
+    prefix-cache lookups, and histograms of request latencies and lengths; plus octavo's
+    eviction metrics.
 
     Counters are declared without the `_total` suffix; prometheus_client exposes them as
-    `vllm:prompt_tokens_total` and `vllm:generation_tokens_total`, which is what vLLM serves.
+    `..._total`, which is what vLLM serves. The scheduler's cumulative counts are turned
+    into increments against the last snapshot seen.
     """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int = 32768,
+        max_num_batched_tokens: int = 8192,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -46,6 +93,12 @@ class PrometheusStatLogger:
                 **labels
             )
 
+        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
+            return Histogram(
+                name, documentation, LABEL_NAMES, buckets=buckets, registry=self.registry
+            ).labels(**labels)
+
+        # Scheduler state.
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
@@ -55,22 +108,148 @@ class PrometheusStatLogger:
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        # Tokens and requests.
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABEL_NAMES, "finished_reason"],
+            registry=self.registry,
+        )
+        # Every reason is exported from the start, at 0, as vLLM does.
+        self.request_success = {
+            reason: success.labels(model_name=model_name, finished_reason=reason)
+            for reason in FINISH_REASONS
+        }
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            build_power_of_2_buckets(max_num_batched_tokens),
+        )
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS_S,
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS_S,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            token_buckets,
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        # Evictions, which no other engine shows.
+        self.request_max_token_gap = histogram(
+            "octavo:request_max_token_gap_seconds",
+            "Histogram of the largest gap between two tokens of a request after its first.",
+            FREEZE_BUCKETS_S,
+        )
+        self.num_requests_evicted = counter(
+            "octavo:num_requests_evicted",
+            "Number of requests evicted (preempted) at least once.",
+        )
+        self.eviction_freeze = histogram(
+            "octavo:eviction_freeze_seconds",
+            "Histogram of the time from an eviction to the evicted request's next token.",
+            FREEZE_BUCKETS_S,
+        )
+        self._last_num_preemptions = 0
+        self._last_prefix_cache_queries = 0
+        self._last_prefix_cache_hits = 0
 
     def record(
-        self, scheduler_stats: SchedulerStats, num_prompt_tokens: int, num_generation_tokens: int
+        self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None = None
     ) -> None:
-        """Take one step's snapshot: gauges are set, token counts (this step's) are added."""
+        """Take one step's snapshot: gauges are set, counters and histograms get the step's
+        increments."""
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
-        if num_prompt_tokens:
-            self.prompt_tokens.inc(num_prompt_tokens)
-        if num_generation_tokens:
-            self.generation_tokens.inc(num_generation_tokens)
+        self._record_scheduler_counters(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def _record_scheduler_counters(self, stats: SchedulerStats) -> None:
+        # max(0, ...): a counter only goes up, even if a scheduler were replaced.
+        self.num_preemptions.inc(max(stats.num_preemptions - self._last_num_preemptions, 0))
+        self.prefix_cache_queries.inc(
+            max(stats.prefix_cache_queries - self._last_prefix_cache_queries, 0)
+        )
+        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._last_prefix_cache_hits, 0))
+        self._last_num_preemptions = stats.num_preemptions
+        self._last_prefix_cache_queries = stats.prefix_cache_queries
+        self._last_prefix_cache_hits = stats.prefix_cache_hits
+
+    def _record_iteration(self, iteration: IterationStats) -> None:
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        if iteration.num_scheduled_tokens:
+            self.iteration_tokens.observe(iteration.num_scheduled_tokens)
+        for ttft_s in iteration.time_to_first_tokens_s:
+            self.time_to_first_token.observe(ttft_s)
+        for itl_s in iteration.inter_token_latencies_s:
+            self.inter_token_latency.observe(itl_s)
+        for freeze_s in iteration.eviction_freezes_s:
+            self.eviction_freeze.observe(freeze_s)
+        self.num_requests_evicted.inc(iteration.num_newly_evicted_reqs)
+        for finished in iteration.finished_requests:
+            self._record_finished(finished)
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        success = self.request_success.get(finished.finish_reason)
+        if success is not None:
+            success.inc()
+        self.e2e_request_latency.observe(finished.e2e_latency_s)
+        self.request_queue_time.observe(finished.queue_time_s)
+        self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.observe(finished.num_generation_tokens)
+        if finished.ttft_s is not None:
+            self.request_prefill_time.observe(finished.prefill_time_s)
+            self.request_decode_time.observe(finished.decode_time_s)
+        if finished.num_generation_tokens >= 2:
+            self.request_max_token_gap.observe(finished.max_token_gap_s)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (serve with `content_type`)."""

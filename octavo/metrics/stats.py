@@ -1,12 +1,15 @@
-"""Metric snapshots as plain dataclasses: what the scheduler reports, what loggers read.
+"""Metric snapshots as plain dataclasses: what the scheduler and the engine report, what
+loggers read.
 
 A leaf: imports nothing from octavo, knows nothing of Prometheus or log formats. Cumulative
-counters stay cumulative here; exporters turn them into rates or `_total` counters.
+counters stay cumulative in SchedulerStats; IterationStats carries one step's deltas.
+Times are seconds from `time.monotonic()`, measured by the engine (never by `core`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +28,61 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    """One request's life, measured by the engine when it finished (one output stream: each
+    child of an n > 1 request counts on its own, as in vLLM)."""
+
+    request_id: str
+    # "stop" | "length" | "abort"
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    # The request's effective max_tokens (the user's value or what max_model_len left).
+    max_tokens: int
+    # Arrival -> finish.
+    e2e_latency_s: float
+    # Arrival -> first scheduled (-> finish if it never was).
+    queue_time_s: float
+    # Arrival -> first token; None if it produced none.
+    ttft_s: float | None
+    # First scheduled -> first token, and first token -> last token; 0 without tokens.
+    prefill_time_s: float
+    decode_time_s: float
+    # The largest gap between two consecutive tokens after the first; 0 with < 2 tokens.
+    max_token_gap_s: float
+    num_evictions: int
+    # Eviction -> the request's next token, one per eviction that was followed by a token.
+    eviction_freezes_s: tuple[float, ...] = ()
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one engine step did, plus requests aborted since the step before: the deltas
+    loggers add to counters and histograms."""
+
+    # Tokens the step ran (prompt chunks and decodes).
+    num_scheduled_tokens: int = 0
+    # Prompt tokens of requests that got their first token in this step (vLLM counts a
+    # prompt once, when its prefill is done).
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    # Requests evicted for the first time in this step.
+    num_newly_evicted_reqs: int = 0
+    time_to_first_tokens_s: list[float] = field(default_factory=list)
+    # One per request that got a token after its first: the time since its previous one.
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    # Freezes that ended in this step (eviction -> next token).
+    eviction_freezes_s: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    """Anything the engine hands each step's stats to, on the engine thread: cheap, and
+    never raising into the step."""
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        ...

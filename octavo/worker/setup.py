@@ -72,7 +72,11 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=max_model_len,
+            admission=args.admission,
+            watermark=args.watermark,
+            preempt_victim=args.preempt_victim,
         ),
+        request_log=args.request_log,
     )
     logger.info("dtype %s (%s)", config.dtype, dtype_reason)
     logger.info("resolved configuration: %s", config.to_json())

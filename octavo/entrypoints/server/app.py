@@ -194,9 +194,16 @@ def build_app(
 
 
 def make_server_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """An app over a loaded engine, with Prometheus stats recorded on every step."""
-    stat_logger = PrometheusStatLogger(engine.config.served_model_name)
-    async_engine = AsyncEngine(engine, on_stats=stat_logger.record)
+    """An app over a loaded engine, with Prometheus stats recorded on every step (by the
+    engine, on its thread)."""
+    engine_config = engine.config
+    stat_logger = PrometheusStatLogger(
+        engine_config.served_model_name,
+        max_model_len=engine_config.scheduler.max_model_len,
+        max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
+    )
+    engine.add_stat_logger(stat_logger)
+    async_engine = AsyncEngine(engine)
     return build_app(async_engine, config, stat_logger)
 
 

@@ -1,0 +1,146 @@
+"""PrometheusStatLogger and RequestLogWriter on hand-made stats: names, types and labels as
+vLLM serves them, cumulative scheduler counts turned into increments, histograms fed from
+IterationStats; the request log's lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from octavo.metrics.prometheus import (
+    PrometheusStatLogger,
+    build_1_2_5_buckets,
+    build_power_of_2_buckets,
+)
+from octavo.metrics.request_log import RequestLogWriter
+from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+MODEL = {"model_name": "m"}
+
+# name as exposed -> Prometheus type
+EXPECTED_TYPES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:num_preemptions_total": "counter",
+    "vllm:prefix_cache_queries_total": "counter",
+    "vllm:prefix_cache_hits_total": "counter",
+    "vllm:prompt_tokens_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:request_success_total": "counter",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "octavo:request_max_token_gap_seconds": "histogram",
+    "octavo:num_requests_evicted_total": "counter",
+    "octavo:eviction_freeze_seconds": "histogram",
+}
+
+
+def finished(request_id: str, reason: str, num_generation_tokens: int, **overrides):
+    values = dict(
+        request_id=request_id, finish_reason=reason, num_prompt_tokens=10,
+        num_generation_tokens=num_generation_tokens, max_tokens=16, e2e_latency_s=2.0,
+        queue_time_s=0.5, ttft_s=1.0, prefill_time_s=0.5, decode_time_s=1.0,
+        max_token_gap_s=0.75, num_evictions=0,
+    )
+    values.update(overrides)
+    return FinishedRequestStats(**values)
+
+
+def test_every_metric_has_vllm_type_and_labels() -> None:
+    text = PrometheusStatLogger("m").render().decode()
+    types = dict(
+        line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE")
+    )
+    for name, kind in EXPECTED_TYPES.items():
+        assert types.get(name) == kind, name
+    for reason in ("stop", "length", "abort"):
+        series = f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}}'
+        assert f"{series} 0.0" in text
+
+
+def test_record_turns_stats_into_increments() -> None:
+    logger = PrometheusStatLogger("m", max_model_len=100, max_num_batched_tokens=64)
+    value = logger.registry.get_sample_value
+    logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
+                                 num_preemptions=2, prefix_cache_queries=40,
+                                 prefix_cache_hits=16))
+    logger.record(
+        SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, num_preemptions=3,
+                       prefix_cache_queries=50, prefix_cache_hits=16),
+        IterationStats(
+            num_scheduled_tokens=12, num_prompt_tokens=10, num_generation_tokens=2,
+            num_preemptions=1, num_newly_evicted_reqs=1, time_to_first_tokens_s=[1.0],
+            inter_token_latencies_s=[0.02, 3.0], eviction_freezes_s=[3.0],
+            finished_requests=[
+                finished("a", "stop", 5, num_evictions=1, eviction_freezes_s=(3.0,)),
+                finished("b", "abort", 0, ttft_s=None),
+                finished("c", "length", 1),
+            ],
+        ),
+    )
+    assert value("vllm:num_requests_running", MODEL) == 1
+    assert value("vllm:num_requests_waiting", MODEL) == 0
+    assert value("vllm:kv_cache_usage_perc", MODEL) == 0.5
+    assert value("vllm:num_preemptions_total", MODEL) == 3
+    assert value("vllm:prefix_cache_queries_total", MODEL) == 50
+    assert value("vllm:prefix_cache_hits_total", MODEL) == 16
+    assert value("vllm:prompt_tokens_total", MODEL) == 10
+    assert value("vllm:generation_tokens_total", MODEL) == 2
+    for reason, count in (("stop", 1), ("length", 1), ("abort", 1)):
+        labels = {**MODEL, "finished_reason": reason}
+        assert value("vllm:request_success_total", labels) == count
+    assert value("octavo:num_requests_evicted_total", MODEL) == 1
+    assert value("vllm:iteration_tokens_total_sum", MODEL) == 12
+    assert value("vllm:time_to_first_token_seconds_count", MODEL) == 1
+    assert value("vllm:inter_token_latency_seconds_count", MODEL) == 2
+    assert value("vllm:inter_token_latency_seconds_bucket", {**MODEL, "le": "0.025"}) == 1
+    assert value("octavo:eviction_freeze_seconds_sum", MODEL) == 3.0
+    assert value("vllm:e2e_request_latency_seconds_count", MODEL) == 3
+    assert value("vllm:request_queue_time_seconds_sum", MODEL) == 1.5
+    # Prefill and decode times only for requests that produced a token.
+    assert value("vllm:request_prefill_time_seconds_count", MODEL) == 2
+    assert value("vllm:request_decode_time_seconds_sum", MODEL) == 2.0
+    assert value("vllm:request_prompt_tokens_sum", MODEL) == 30
+    assert value("vllm:request_generation_tokens_sum", MODEL) == 6
+    assert value("vllm:request_generation_tokens_bucket", {**MODEL, "le": "5.0"}) == 3
+    # A gap needs two tokens: only "a".
+    assert value("octavo:request_max_token_gap_seconds_count", MODEL) == 1
+
+
+def test_buckets() -> None:
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    assert build_power_of_2_buckets(64) == [1, 8, 16, 32, 64]
+    assert build_power_of_2_buckets(100) == [1, 8, 16, 32, 64, 100]
+
+
+def test_request_log_lines(tmp_path) -> None:
+    path = tmp_path / "requests.jsonl"
+    writer = RequestLogWriter(str(path))
+    iteration = IterationStats(finished_requests=[
+        finished("a", "stop", 5, num_evictions=2, eviction_freezes_s=(3.0, 1.0 / 3.0)),
+        finished("b", "abort", 0, ttft_s=None, max_token_gap_s=0.0),
+    ])
+    writer.record(SchedulerStats(), iteration)
+    writer.record(SchedulerStats(), IterationStats())
+    writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [
+        {"request_id": "a", "prompt_tokens": 10, "completion_tokens": 5, "max_tokens": 16,
+         "finish_reason": "stop", "ttft_s": 1.0, "max_token_gap_s": 0.75, "evictions": 2,
+         "eviction_freezes_s": [3.0, 0.333333], "queue_time_s": 0.5, "e2e_latency_s": 2.0},
+        {"request_id": "b", "prompt_tokens": 10, "completion_tokens": 0, "max_tokens": 16,
+         "finish_reason": "abort", "ttft_s": None, "max_token_gap_s": 0.0, "evictions": 0,
+         "eviction_freezes_s": [], "queue_time_s": 0.5, "e2e_latency_s": 2.0},
+    ]
+    with pytest.raises(ValueError, match="request_log="):
+        RequestLogWriter(str(tmp_path / "missing-dir" / "x.jsonl"))
