@@ -1,4 +1,5 @@
-"""`octavo serve|generate|chat|bench`: parse flags -> EngineArgs -> run. Flag names follow vLLM."""
+"""`octavo serve|generate|chat|bench|plan`: parse flags -> EngineArgs -> run. Flag names follow
+vLLM."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from octavo.config import EngineArgs
+from octavo.config import ADMISSION_POLICIES, PREEMPT_VICTIMS, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=defaults.enable_prefix_caching)
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument("--device", default=defaults.device)
+    group.add_argument("--admission", default=defaults.admission, choices=list(ADMISSION_POLICIES),
+                       help="what must be free before a request starts: current (vLLM: the next "
+                            "chunk), reserve (TGI: prompt + max_tokens, never evicts), ratio "
+                            "(SGLang: an adaptive share of max_tokens)")
+    group.add_argument("--watermark", type=float, default=defaults.watermark,
+                       help="share of the KV pool kept free when a request is admitted")
+    group.add_argument("--preempt-victim", default=defaults.preempt_victim,
+                       choices=list(PREEMPT_VICTIMS),
+                       help="whom to evict when a block is missing (default: the policy's)")
+    group.add_argument("--request-log", default=defaults.request_log, metavar="PATH",
+                       help="append one JSON line per finished request (lengths, finish "
+                            "reason, TTFT, largest token gap, evictions) to PATH")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -41,6 +54,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed,
         device=ns.device,
+        admission=ns.admission,
+        watermark=ns.watermark,
+        preempt_victim=ns.preempt_victim,
+        request_log=ns.request_log,
     )
 
 
@@ -131,6 +148,18 @@ def make_parser() -> argparse.ArgumentParser:
         "serve", help="load generator for any OpenAI-compatible server"
     )
     add_serve_bench_args(serve_bench)
+
+    from octavo.bench.policies import add_policies_bench_args
+
+    policies_bench = bench_commands.add_parser(
+        "policies", help="admission policies on one synthetic trace, with a cost-model executor"
+    )
+    add_policies_bench_args(policies_bench)
+
+    from octavo.bench.plan import add_plan_args
+
+    plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
+    add_plan_args(plan)
     return parser
 
 
@@ -164,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.serve import run_serve_bench
 
             return run_serve_bench(ns)
+        if ns.command == "bench" and ns.bench_command == "policies":
+            from octavo.bench.policies import run_policies_bench
+
+            return run_policies_bench(ns)
+        if ns.command == "plan":
+            from octavo.bench.plan import run_plan
+
+            return run_plan(ns)
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

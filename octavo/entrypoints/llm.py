@@ -37,7 +37,14 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         device: str = "auto",
+        admission: str = "current",
+        watermark: float = 0.0,
+        preempt_victim: str | None = None,
+        request_log: str | None = None,
     ) -> None:
+        """`admission`, `watermark` and `preempt_victim` choose what must be free before a
+        request starts and whom to evict (see octavo/core/admission.py); `request_log` names
+        a JSON-lines file that gets one line per finished request."""
         args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -50,6 +57,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             device=device,
+            admission=admission,
+            watermark=watermark,
+            preempt_victim=preempt_victim,
+            request_log=request_log,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 

@@ -1,0 +1,363 @@
+"""`octavo bench policies`: the admission policies on one synthetic trace, in seconds.
+
+The same trace (Poisson arrivals, prompts sharing a system prefix, long-tailed answer lengths,
+a KV pool too small for the offered concurrency) is replayed once per policy through the real
+Scheduler and KVCacheManager. A cost-model executor stands in for the model: it ends each
+answer at its traced length and advances a simulated clock by a step time that grows with the
+prefill tokens and the decodes in the batch. Nothing sleeps, so the times are simulated
+seconds; what differs between policies is only what the scheduler decided.
+
+Per policy it prints: output tok/s, the share of requests evicted at least once, the median
+and p99 freeze (eviction -> the request's next token), the median time to first token, and
+the redone prefill share (prompt and output tokens computed again after an eviction, over all
+prefill tokens). It ends with one JSON line. `--on-model` measures the same table on the
+real engine and model instead (bench/policies_model.py).
+
+Must not: load a model or torch here, or reach into the engine: only `core` and `config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.outputs import ModelRunnerOutput
+from octavo.core.request import Request
+from octavo.core.sampling_params import SamplingParams
+from octavo.core.scheduler import Scheduler
+from octavo.core.scheduler_output import SchedulerOutput
+
+EOS_TOKEN_ID = 2
+ANSWER_TOKEN_ID = 500
+POLICIES = ("current", "reserve", "ratio")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    num_requests: int = 300
+    request_rate: float = 6.0  # requests per simulated second, Poisson
+    system_prompt_len: int = 64  # shared by every prompt (prefix caching sees it)
+    mean_prompt_len: int = 384  # user part: uniform in [mean / 2, 3 * mean / 2]
+    median_answer_len: int = 200  # lognormal, sigma 1: mean ~1.65x, p99 ~10x the median
+    max_tokens: int = 2048  # what every client sends
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time of a mid-size model on one accelerator: a fixed cost, then prefill tokens
+    (compute-bound) and decodes (memory-bound, per request)."""
+
+    step_s: float = 0.010
+    prefill_token_s: float = 0.00005
+    decode_s: float = 0.0002
+
+    def step_time_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
+        return self.step_s + self.prefill_token_s * num_prefill_tokens + self.decode_s * num_decodes
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float
+    prompt_token_ids: list[int]
+    # Where the "model" ends the answer (EOS), and what the client allows.
+    answer_len: int
+    max_tokens: int
+
+
+def make_trace(config: TraceConfig) -> list[TraceRequest]:
+    rng = random.Random(config.seed)
+    system = [rng.randrange(1000, 30000) for _ in range(config.system_prompt_len)]
+    mu = math.log(config.median_answer_len)
+    trace = []
+    arrival_s = 0.0
+    for idx in range(config.num_requests):
+        arrival_s += rng.expovariate(config.request_rate)
+        num_user = rng.randint(config.mean_prompt_len // 2, 3 * config.mean_prompt_len // 2)
+        prompt = system + [rng.randrange(1000, 30000) for _ in range(num_user)]
+        answer_len = min(max(int(rng.lognormvariate(mu, 1.0)), 1), config.max_tokens)
+        trace.append(TraceRequest(str(idx), arrival_s, prompt, answer_len, config.max_tokens))
+    return trace
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the executor knows of one request, from SchedulerOutput deltas only."""
+
+    num_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int = 0
+    # The furthest its KV ever got: tokens below it computed again are redone work.
+    max_computed_tokens: int = 0
+
+
+class CostModelExecutor:
+    """Plays the model runner: samples ANSWER_TOKEN_ID until a request's traced answer length,
+    then EOS; returns the step's simulated duration and counts prefill work."""
+
+    def __init__(self, answer_lens: dict[str, int], cost: CostModel) -> None:
+        self.answer_lens = answer_lens
+        self.cost = cost
+        self.progress: dict[str, _Progress] = {}
+        self.num_prefill_tokens = 0
+        self.num_redone_tokens = 0
+
+    def execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+        for request_id in out.finished_req_ids:
+            self.progress.pop(request_id, None)
+        for new in out.scheduled_new_reqs:
+            previous = self.progress.get(new.request_id)
+            progress = _Progress(
+                len(new.prompt_token_ids) + len(new.output_token_ids),
+                len(new.output_token_ids),
+                new.num_computed_tokens,
+                previous.max_computed_tokens if previous else 0,
+            )
+            self.progress[new.request_id] = progress
+        for cached in out.scheduled_cached_reqs:
+            self.progress[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        num_decodes = num_prefill = 0
+        for request_id in req_ids:
+            progress = self.progress[request_id]
+            num_new = out.num_scheduled_tokens[request_id]
+            begin, end = progress.num_computed_tokens, progress.num_computed_tokens + num_new
+            # A decode runs the newest token once; anything else is a prefill chunk, and the
+            # part of it below the furthest KV ever computed is redone after an eviction.
+            is_decode = (
+                num_new == 1
+                and end == progress.num_tokens
+                and progress.num_output_tokens > 0
+                and begin >= progress.max_computed_tokens
+            )
+            if is_decode:
+                num_decodes += 1
+            else:
+                num_prefill += num_new
+                self.num_redone_tokens += max(min(end, progress.max_computed_tokens) - begin, 0)
+            progress.max_computed_tokens = max(progress.max_computed_tokens, end)
+            if end < progress.num_tokens:
+                sampled.append([])  # a prompt chunk that is not the last
+                continue
+            progress.num_output_tokens += 1
+            progress.num_tokens += 1
+            is_last = progress.num_output_tokens >= self.answer_lens[request_id]
+            sampled.append([EOS_TOKEN_ID if is_last else ANSWER_TOKEN_ID])
+        self.num_prefill_tokens += num_prefill
+        runner_output = ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+        return runner_output, self.cost.step_time_s(num_prefill, num_decodes)
+
+
+@dataclass(slots=True)
+class _Timeline:
+    arrival_s: float
+    first_token_s: float | None = None
+    num_evictions: int = 0
+    pending_evictions_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    output_tokens_per_s: float
+    evicted_share: float
+    num_preemptions: int
+    median_freeze_s: float | None
+    p99_freeze_s: float | None
+    median_ttft_s: float
+    redone_prefill_share: float
+    elapsed_s: float
+    num_steps: int
+    num_output_tokens: int
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile (q in [0, 1]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    # Rounded first: 0.99 * 100 is 99.00000000000001 in floats.
+    return ordered[max(math.ceil(round(q * len(ordered), 9)), 1) - 1]
+
+
+def run_policy(
+    trace: list[TraceRequest],
+    admission: str,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    cost: CostModel,
+) -> PolicyResult:
+    """Replay `trace` through a Scheduler with the `admission` policy; simulated time."""
+    config = SchedulerConfig(
+        scheduler_config.max_num_seqs,
+        scheduler_config.max_num_batched_tokens,
+        scheduler_config.max_model_len,
+        admission=admission,
+        watermark=scheduler_config.watermark,
+        preempt_victim=scheduler_config.preempt_victim,
+    )
+    scheduler = Scheduler(config, cache_config)
+    executor = CostModelExecutor({t.request_id: t.answer_len for t in trace}, cost)
+    pending = deque(sorted(trace, key=lambda t: t.arrival_s))
+    timelines: dict[str, _Timeline] = {}
+    freezes_s: list[float] = []
+    clock_s = pending[0].arrival_s if pending else 0.0
+    num_output_tokens = num_steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0].arrival_s <= clock_s:
+            item = pending.popleft()
+            scheduler.add_request(_make_request(item))
+            timelines[item.request_id] = _Timeline(item.arrival_s)
+        if not scheduler.has_unfinished_requests():
+            clock_s = pending[0].arrival_s
+            continue
+        out = scheduler.schedule()
+        runner_output, step_s = executor.execute(out)
+        step_start_s, clock_s = clock_s, clock_s + step_s
+        num_steps += 1
+        for request_id in out.preempted_req_ids:
+            timeline = timelines[request_id]
+            timeline.num_evictions += 1
+            timeline.pending_evictions_s.append(step_start_s)
+        for core_output in scheduler.update(out, runner_output):
+            timeline = timelines[core_output.request_id]
+            num_output_tokens += len(core_output.new_token_ids)
+            if timeline.first_token_s is None:
+                timeline.first_token_s = clock_s
+            freezes_s.extend(clock_s - t for t in timeline.pending_evictions_s)
+            timeline.pending_evictions_s.clear()
+    scheduler.check_integrity()
+    elapsed_s = clock_s - trace[0].arrival_s if trace else 0.0
+    ttfts = [t.first_token_s - t.arrival_s for t in timelines.values()]
+    return PolicyResult(
+        policy=admission,
+        output_tokens_per_s=num_output_tokens / elapsed_s if elapsed_s else 0.0,
+        evicted_share=sum(1 for t in timelines.values() if t.num_evictions) / len(timelines),
+        num_preemptions=scheduler.num_preemptions,
+        median_freeze_s=quantile(freezes_s, 0.5),
+        p99_freeze_s=quantile(freezes_s, 0.99),
+        median_ttft_s=quantile(ttfts, 0.5) or 0.0,
+        redone_prefill_share=executor.num_redone_tokens / max(executor.num_prefill_tokens, 1),
+        elapsed_s=elapsed_s,
+        num_steps=num_steps,
+        num_output_tokens=num_output_tokens,
+    )
+
+
+def _make_request(item: TraceRequest) -> Request:
+    params = SamplingParams(max_tokens=item.max_tokens)
+    params.all_stop_token_ids = {EOS_TOKEN_ID}
+    return Request(
+        item.request_id, item.prompt_token_ids, params, item.max_tokens, item.arrival_s
+    )
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def format_table(results: list[PolicyResult]) -> str:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    header = (f"{'policy':<8} {'output tok/s':>12} {'evicted':>8} {'freeze p50 s':>12} "
+              f"{'freeze p99 s':>12} {'TTFT p50 s':>10} {'redone prefill':>14} "
+              f"{'preemptions':>11}")
+    rows = [header]
+    for r in results:
+        rows.append(
+            f"{r.policy:<8} {r.output_tokens_per_s:>12.1f} {r.evicted_share:>8.1%} "
+            f"{seconds(r.median_freeze_s):>12} {seconds(r.p99_freeze_s):>12} "
+            f"{r.median_ttft_s:>10.2f} {r.redone_prefill_share:>14.1%} {r.num_preemptions:>11}"
+        )
+    return "\n".join(rows)
+
+
+def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
+    defaults = TraceConfig()
+    parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
+    parser.add_argument("--request-rate", type=float, default=defaults.request_rate,
+                        help="Poisson arrivals per simulated second")
+    parser.add_argument("--mean-prompt-len", type=int, default=defaults.mean_prompt_len)
+    parser.add_argument("--median-answer-len", type=int, default=defaults.median_answer_len)
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--kv-cache-tokens", type=int, default=16384)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--watermark", type=float, default=0.0)
+    parser.add_argument("--dataset-seed", type=int, default=defaults.seed)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--on-model", action="store_true",
+                        help="replay in wall-clock time through the real engine and model "
+                             "instead of the cost model (use a small trace)")
+    parser.add_argument("--model", default=None,
+                        help="with --on-model: HF folder or .gguf (default: the embedded one)")
+    parser.add_argument("--dtype", default="float32")
+
+
+def run_policies_bench(ns: argparse.Namespace) -> int:
+    trace_config = TraceConfig(
+        num_requests=ns.num_requests,
+        request_rate=ns.request_rate,
+        mean_prompt_len=ns.mean_prompt_len,
+        median_answer_len=ns.median_answer_len,
+        max_tokens=ns.max_tokens,
+        seed=ns.dataset_seed,
+    )
+    trace = make_trace(trace_config)
+    max_model_len = max(len(t.prompt_token_ids) + t.max_tokens for t in trace)
+    cache_config = CacheConfig(ns.block_size, -(-ns.kv_cache_tokens // ns.block_size))
+    if max_model_len > cache_config.num_tokens:
+        raise ValueError(
+            f"kv_cache_tokens={ns.kv_cache_tokens} cannot hold one request of the trace "
+            f"({max_model_len} tokens): raise it or lower --max-tokens."
+        )
+    scheduler_config = SchedulerConfig(
+        ns.max_num_seqs, ns.max_num_batched_tokens, max_model_len, watermark=ns.watermark
+    )
+    cost = CostModel()
+    if ns.on_model:
+        return _run_on_model(ns, trace, trace_config, max_model_len)
+    print("config:", json.dumps({"trace": asdict(trace_config), "cost_model": asdict(cost),
+                                 "kv_cache_tokens": cache_config.num_tokens,
+                                 "block_size": ns.block_size, "max_num_seqs": ns.max_num_seqs,
+                                 "max_num_batched_tokens": ns.max_num_batched_tokens,
+                                 "watermark": ns.watermark}))
+    answers = sorted(t.answer_len for t in trace)
+    print(f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; answer "
+          f"tokens median {answers[len(answers) // 2]}, max {answers[-1]}; times below are "
+          "simulated seconds")
+    results = [
+        run_policy(trace, policy, cache_config, scheduler_config, cost) for policy in ns.policies
+    ]
+    print(format_table(results))
+    print(json.dumps({"policies": [asdict(r) for r in results]}))
+    return 0
+
+
+def _run_on_model(
+    ns: argparse.Namespace, trace: list[TraceRequest], trace_config: TraceConfig,
+    max_model_len: int,
+) -> int:
+    from octavo.bench.policies_model import run_policy_on_model
+    from octavo.config import EngineArgs
+
+    engine_args = EngineArgs(
+        model=ns.model, dtype=ns.dtype, max_model_len=max_model_len,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_tokens=ns.kv_cache_tokens, block_size=ns.block_size, watermark=ns.watermark,
+    )
+    print("config:", json.dumps({"trace": asdict(trace_config), "engine": asdict(engine_args)}))
+    print(f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} s, replayed on the "
+          "model in wall-clock time")
+    results = [run_policy_on_model(trace, policy, engine_args) for policy in ns.policies]
+    print(format_table(results))
+    print(json.dumps({"policies": [asdict(r) for r in results]}))
+    return 0
