@@ -156,6 +156,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_policies_bench_args(policies_bench)
 
+    from octavo.bench.machine import add_machine_args
+
+    machine_bench = bench_commands.add_parser(
+        "machine", help="matmul GFLOP/s, memory bandwidth and the tokens/s ceilings they set"
+    )
+    add_machine_args(machine_bench)
+
     from octavo.bench.plan import add_plan_args
 
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
@@ -197,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.policies import run_policies_bench
 
             return run_policies_bench(ns)
+        if ns.command == "bench" and ns.bench_command == "machine":
+            from octavo.bench.machine import run_machine
+
+            return run_machine(ns)
         if ns.command == "plan":
             from octavo.bench.plan import run_plan
 
