@@ -27,7 +27,6 @@ from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import RequestOutput
-from octavo.metrics.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +35,6 @@ T = TypeVar("T")
 # After this many failed steps in a row the engine is declared dead: each failure already
 # failed and aborted every in-flight request, so a repeat means the engine itself is broken.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-# (scheduler stats, prompt tokens that got their first output this step, tokens generated)
-StatsCallback = Callable[[SchedulerStats, int, int], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -87,11 +83,9 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_stats: StatsCallback | None = None) -> None:
-        """`on_stats` runs on the engine thread after every step (and after idle commands);
-        it must be cheap and thread-safe."""
+    def __init__(self, engine: LLMEngine) -> None:
+        """Stats reach their loggers through `engine.add_stat_logger`, on the engine thread."""
         self.engine = engine
-        self._on_stats = on_stats
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []
         self._stopping = False
@@ -100,8 +94,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # Engine-thread state: request id -> the stream its outputs go to.
         self._streams: dict[str, _OutputStream] = {}
-        # Engine-thread state: request id -> prompt tokens not yet counted in the stats.
-        self._prompt_pending: dict[str, int] = {}
         self._num_steps = 0
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -211,8 +203,6 @@ class AsyncEngine:
                     break
                 has_work = engine.has_unfinished_requests()
                 if not has_work:
-                    if commands:
-                        self._report_stats([])
                     continue
                 # 2) One step; 3) deliver its outputs.
                 try:
@@ -228,7 +218,6 @@ class AsyncEngine:
                 num_failures = 0
                 self._num_steps += 1
                 self._deliver(outputs)
-                self._report_stats(outputs)
                 has_work = engine.has_unfinished_requests()
         except BaseException as exc:  # a bug in this loop: nobody may be left waiting
             logger.exception("engine thread crashed")
@@ -276,7 +265,6 @@ class AsyncEngine:
             return
         for request in command.requests:
             self._streams[request.request_id] = command.stream
-            self._prompt_pending[request.request_id] = len(request.prompt.prompt_token_ids)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[int, tuple[_OutputStream, list[RequestOutput | BaseException]]] = {}
@@ -303,7 +291,6 @@ class AsyncEngine:
         streams = {id(s): s for s in self._streams.values()}
         request_ids = list(self._streams)
         self._streams.clear()
-        self._prompt_pending.clear()
         for stream in streams.values():
             self._send(stream, [error])
         try:
@@ -329,23 +316,8 @@ class AsyncEngine:
         for stream in {id(s): s for s in self._streams.values()}.values():
             self._send(stream, [EngineDeadError("The engine stopped.")])
         self._streams.clear()
-        self._prompt_pending.clear()
         if self._dead_reason is None:
             self._dead_reason = "shut down"
-
-    def _report_stats(self, outputs: list[RequestOutput]) -> None:
-        num_prompt_tokens = 0
-        num_generation_tokens = 0
-        for output in outputs:
-            num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-            # A prompt counts once, when its request first reports (its prefill is done).
-            num_prompt_tokens += self._prompt_pending.pop(output.request_id, 0)
-        if self._on_stats is None:
-            return
-        try:
-            self._on_stats(self.engine.make_stats(), num_prompt_tokens, num_generation_tokens)
-        except Exception:
-            logger.exception("a stats callback failed")
 
 
 def _put_all(queue: asyncio.Queue, items: list[RequestOutput | BaseException]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from octavo.core.outputs import TokenLogprobs
@@ -45,7 +46,7 @@ class RequestOutput:
 
 
 def to_sample_logprobs(
-    token_logprobs: list[TokenLogprobs], decode: "callable[[int], str] | None" = None
+    token_logprobs: list[TokenLogprobs], decode: Callable[[int], str] | None = None
 ) -> SampleLogprobs:
     """Turn the runner's per-position logprobs into vLLM's dict-per-position form."""
     result: SampleLogprobs = []

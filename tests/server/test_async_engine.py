@@ -19,7 +19,6 @@ from octavo.engine.async_engine import (
 )
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import CompletionOutput, RequestOutput
-from octavo.metrics.stats import SchedulerStats
 
 REJECTED_PROMPT = [666]
 
@@ -67,9 +66,6 @@ class FakeEngine:
             outputs.append(_output(request_id, "t", [7], "length" if done else None))
         return outputs
 
-    def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running_reqs=len(self.remaining))
-
 
 def _output(request_id: str, text: str, token_ids: list[int], finish: str | None):
     completion = CompletionOutput(0, text, token_ids, None, None, finish)
@@ -82,19 +78,18 @@ def _request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = No
 
 
 def _run(coro_fn):
-    """Run `coro_fn(async_engine, fake, stats)` with a started engine; shut it down after."""
+    """Run `coro_fn(async_engine, fake)` with a started engine; shut it down after."""
     fake = FakeEngine()
-    stats: list[tuple[int, int]] = []
 
     async def main():
-        engine = AsyncEngine(fake, on_stats=lambda s, p, g: stats.append((p, g)))
+        engine = AsyncEngine(fake)
         engine.start()
         try:
-            return await coro_fn(engine, fake, stats)
+            return await coro_fn(engine, fake)
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    return asyncio.run(main()), fake, stats
+    return asyncio.run(main()), fake
 
 
 async def _collect(engine: AsyncEngine, requests) -> list[tuple[str, str, str | None]]:
@@ -104,30 +99,28 @@ async def _collect(engine: AsyncEngine, requests) -> list[tuple[str, str, str | 
 
 
 def test_outputs_arrive_in_order_and_only_the_engine_thread_calls_the_engine() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         return await _collect(engine, [_request("a", 2), _request("b", 3)])
 
-    outputs, fake, stats = _run(body)
+    outputs, fake = _run(body)
     assert outputs == [("a", "t", None), ("b", "t", None), ("a", "t", "length"),
                        ("b", "t", None), ("b", "t", "length")]
     assert fake.callers == {"octavo-engine"}
-    # Each prompt (2 tokens) counted once; one token per request per step.
-    assert sum(p for p, _ in stats) == 4 and sum(g for _, g in stats) == 5
 
 
 def test_the_thread_sleeps_when_idle() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         await _collect(engine, [_request("a", 2)])
         steps = fake.num_steps
         await asyncio.sleep(0.3)
         return steps, fake.num_steps
 
-    (before, after), _, _ = _run(body)
+    (before, after), _ = _run(body)
     assert before == after == 2
 
 
 def test_closing_the_stream_aborts_the_request() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         async with aclosing(engine.generate([_request("a", 1000)])) as outputs:
             async for _ in outputs:
                 break
@@ -137,12 +130,12 @@ def test_closing_the_stream_aborts_the_request() -> None:
             await asyncio.sleep(0.01)
         return fake.num_steps
 
-    num_steps, fake, _ = _run(body)
+    num_steps, fake = _run(body)
     assert fake.aborted == ["a"] and num_steps < 10
 
 
 def test_a_rejected_request_raises_and_rejects_its_whole_call() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         with pytest.raises(ValueError, match="out of range"):
             await _collect(engine, [_request("ok", 5), _request("bad", 5, REJECTED_PROMPT)])
         deadline = time.monotonic() + 5
@@ -151,13 +144,13 @@ def test_a_rejected_request_raises_and_rejects_its_whole_call() -> None:
             await asyncio.sleep(0.01)
         return await _collect(engine, [_request("next", 1)])
 
-    outputs, fake, _ = _run(body)
+    outputs, fake = _run(body)
     assert fake.aborted == ["ok"]
     assert outputs == [("next", "t", "length")]
 
 
 def test_a_failed_step_fails_every_request_and_repeats_kill_the_engine() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         fake.fail_steps = 1
         results = await asyncio.gather(
             _collect(engine, [_request("a", 5)]), _collect(engine, [_request("b", 5)]),
@@ -180,7 +173,7 @@ def test_a_failed_step_fails_every_request_and_repeats_kill_the_engine() -> None
 
 
 def test_shutdown_aborts_in_flight_requests() -> None:
-    async def body(engine, fake, stats):
+    async def body(engine, fake):
         outputs = []
 
         async def consume():
@@ -196,6 +189,6 @@ def test_shutdown_aborts_in_flight_requests() -> None:
             await _collect(engine, [_request("b", 1)])
         return outputs
 
-    outputs, fake, _ = _run(body)
+    outputs, fake = _run(body)
     assert outputs[-1] == "abort" and set(outputs[:-1]) == {None}
     assert fake.aborted == ["a"] and not fake.has_unfinished_requests()
