@@ -6,11 +6,64 @@ a request is ever admitted.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
 # temperature overflows, and the result would be argmax anyway.
 _GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced while sampling (vLLM's `structured_outputs`).
+
+    Exactly one of the fields is set: `json` (a JSON schema, as a dict or its JSON text),
+    `json_object` (any JSON object), `regex`, `choice` (one of these strings), or `grammar`
+    (a Lark / EBNF grammar). Plain data: compiling it is the structured-output backend's job.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}."
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
+                             f"got {self.choice!r}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, name) not in (None, False):
+                return name
+        raise AssertionError("unreachable: checked in __post_init__")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable identity for caching a compiled grammar: (kind, canonical text)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            return ("json", json.dumps(value, sort_keys=True, separators=(",", ":")))
+        if self.kind == "choice":
+            return ("choice", json.dumps(value))
+        return (self.kind, str(value))
 
 
 @dataclass
@@ -34,6 +87,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's EOS ids (generation_config); not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
