@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from octavo.model.attention.layer import PagedAttention
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.config import ModelConfig
 from octavo.model.layers.embedding import VocabEmbedding
-from octavo.model.layers.linear import PackedLinear
+from octavo.model.layers.linear import Linear, PackedLinear, linear
 from octavo.model.layers.mlp import GatedMLP
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary
@@ -38,7 +37,7 @@ class LlamaAttention(nn.Module):
             {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
             bias=config.attention_bias,
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE.
@@ -139,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -153,8 +152,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """(n, hidden) -> (n, vocab_size) float32. Call it only on the rows that are sampled."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return linear(hidden_states, head.weight, None, head.compact_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the model. Raises ValueError naming an

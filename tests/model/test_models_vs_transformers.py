@@ -61,7 +61,7 @@ def _assert_matches(logits: torch.Tensor, expected: torch.Tensor) -> None:
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
 def test_prefill_then_decode_steps_match_transformers(tiny, backend):
     hf_model, model = tiny
     token_ids = _tokens(17, seed=1)
@@ -75,7 +75,7 @@ def test_prefill_then_decode_steps_match_transformers(tiny, backend):
         _assert_matches(logits, expected[position : position + 1])
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
 def test_mixed_batch_in_one_forward_matches_transformers(tiny, backend):
     """One flat forward holding a continuing chunk, two decodes and a first prefill chunk."""
     hf_model, model = tiny
@@ -112,7 +112,7 @@ def test_chunked_prefill_equals_unchunked(tiny):
     _assert_matches(chunked, hf_logits(hf_model, token_ids))
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
 def test_sibling_reads_prefix_block_written_in_the_same_step(tiny, backend):
     """Regression guard for reading before writing: request "b" shares "a"'s first block, whose
     last two slots "a" writes in the same forward. "b" comes first in the batch, so a backend
@@ -145,7 +145,7 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
     token_ids = _tokens(10, seed=9)
     expected = hf_logits(hf_model, token_ids)
     results = {}
-    for backend in ("sdpa", "reference"):
+    for backend in ("sdpa", "sdpa-gather", "reference"):
         harness = PagedHarness(model, backend=backend, dtype=torch.bfloat16)
         prefill = harness.step({"r": token_ids[:8]})["r"]
         decodes = [harness.step({"r": [t]})["r"] for t in token_ids[8:]]
@@ -194,6 +194,7 @@ def test_attention_metadata_derives_plan_from_runner_fields():
         slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
         block_table=block_table,
         block_size=4,
+        paged_decode=False,
     )
     assert metadata.query_lens == [1, 3, 1]
     assert (metadata.num_reqs, metadata.num_tokens) == (3, 5)
@@ -212,6 +213,24 @@ def test_attention_metadata_derives_plan_from_runner_fields():
     (chunk,) = metadata.chunks
     assert (chunk.req_idx, chunk.start, chunk.end) == (1, 1, 4)
     assert chunk.kv_slots is None and chunk.mask is None  # a whole fresh prompt: plain causal
+
+
+def test_attention_metadata_plans_kernel_decodes_without_gather_indices():
+    block_table = torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=[0, 1, 4, 5],
+        seq_lens=[6, 3, 9],
+        slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
+        block_table=block_table,
+        block_size=4,
+        paged_decode=True,
+    )
+    decode = metadata.decode
+    assert decode.req_idx == [0, 2] and decode.token_idx.tolist() == [0, 4]
+    assert decode.block_table.dtype == torch.int32 and decode.block_table.is_contiguous()
+    assert decode.block_table.tolist() == [[3, 1, 0], [4, 5, 6]]
+    assert decode.seq_lens.tolist() == [6, 9]
+    assert decode.block_ids is None and decode.key_mask is None
 
 
 def test_attention_metadata_rejects_inconsistent_fields():

@@ -85,7 +85,9 @@ class PagedHarness:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.backend = backend
+        # "sdpa-gather": the sdpa backend with decodes through gathered blocks, not the kernel.
+        self.backend = "sdpa" if backend == "sdpa-gather" else backend
+        self.paged_decode = False if backend == "sdpa-gather" else None
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu")
         # Shuffled, so that a request's blocks are neither contiguous nor in order.
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -128,6 +130,7 @@ class PagedHarness:
             block_table=block_table,
             block_size=self.block_size,
             backend=self.backend,
+            paged_decode=self.paged_decode,
         )
         with torch.inference_mode():
             hidden = self.model(

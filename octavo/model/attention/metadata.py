@@ -21,24 +21,31 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from octavo.model import kernels
+
 AttentionBackendName = Literal["sdpa", "reference"]
 
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Requests with one query token each, attended in one padded SDPA call."""
+    """Requests with one query token each, attended together: by the paged decode kernel,
+    which reads blocks in place, or else in one padded SDPA call over gathered blocks."""
 
     req_idx: list[int]
     # (num_decodes,) int64 rows of the flat batch; None when they are rows 0..n-1 in order.
     token_idx: Tensor | None
-    # (num_decodes * max_num_blocks,) int64: each request's blocks in order, padded with block 0.
-    # Whole blocks are gathered (one index_select of block_size * heads * head_dim rows each),
-    # several times faster on a CPU than gathering slot by slot.
-    block_ids: Tensor
     max_num_blocks: int
-    # (num_decodes, 1, 1, max_num_blocks * block_size) bool, True where a key exists
+    # Kernel path: (num_decodes, max_num_blocks) int32 block ids and (num_decodes,) int32
+    # sequence lengths; None on the SDPA path.
+    block_table: Tensor | None = None
+    seq_lens: Tensor | None = None
+    # SDPA path: (num_decodes * max_num_blocks,) int64, each request's blocks in order, padded
+    # with block 0. Whole blocks are gathered (one index_select of block_size * heads * head_dim
+    # rows each), several times faster on a CPU than gathering slot by slot.
+    block_ids: Tensor | None = None
+    # SDPA path: (num_decodes, 1, 1, max_num_blocks * block_size) bool, True where a key exists
     # (broadcast over heads); hides the tail of the last block and the padding blocks.
-    key_mask: Tensor
+    key_mask: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +72,9 @@ class AttentionMetadata:
     block_table: Tensor  # (num_reqs, max_blocks_per_req) int32, request i's block ids, 0-padded
     block_size: int
     backend: AttentionBackendName = "sdpa"
+    # sdpa backend: decodes through the paged decode kernel (True), gathered blocks and SDPA
+    # (False), or the kernel where it is built and the tensors are on a CPU (None).
+    paged_decode: bool | None = None
 
     # Derived, never passed in.
     num_reqs: int = field(init=False)
@@ -131,14 +141,26 @@ class AttentionMetadata:
         else:
             token_idx = torch.tensor([self.query_start_loc[i] for i in req_idx], device=device)
             rows = self.block_table[torch.tensor(req_idx, device=device)]
+        paged = self.paged_decode
+        if paged is None:
+            paged = device.type == "cpu" and kernels.available()
+        if paged:
+            self.decode = DecodeBatch(
+                req_idx=req_idx,
+                token_idx=token_idx,
+                max_num_blocks=max_num_blocks,
+                block_table=rows[:, :max_num_blocks].to(torch.int32).contiguous(),
+                seq_lens=torch.tensor([self.seq_lens[i] for i in req_idx], dtype=torch.int32),
+            )
+            return
         seq_lens = torch.tensor([self.seq_lens[i] for i in req_idx], device=device)
         max_len = max_num_blocks * self.block_size
         key_mask = torch.arange(max_len, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
         self.decode = DecodeBatch(
             req_idx=req_idx,
             token_idx=token_idx,
-            block_ids=rows[:, :max_num_blocks].reshape(-1).long(),
             max_num_blocks=max_num_blocks,
+            block_ids=rows[:, :max_num_blocks].reshape(-1).long(),
             key_mask=key_mask[:, None, None, :],  # (num_decodes, 1, 1, max_len)
         )
 

@@ -1,8 +1,9 @@
 """Paged attention through `torch.nn.functional.scaled_dot_product_attention`.
 
 Two shapes of work, planned once per forward in AttentionMetadata:
-- every single-token (decode) request in one padded SDPA call: keys gathered from the cache into
-  (num_decodes, max_seq_len), padding hidden by a key mask;
+- every single-token (decode) request together: on a CPU with the kernels built, the paged
+  decode kernel reads each request's blocks in place; otherwise one padded SDPA call over keys
+  gathered from the cache into (num_decodes, max_seq_len), padding hidden by a key mask;
 - each multi-token chunk in its own SDPA call: plain causal over this step's k/v when the chunk is
   the whole sequence, else keys gathered from the cache with a causal mask shifted by the prefix.
 Decodes and chunks are kept apart because padding a decode to a chunk's query length (or a chunk
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from octavo.model import kernels
 from octavo.model.attention.metadata import AttentionMetadata
 
 
@@ -65,6 +67,10 @@ def sdpa_attention(
 def _decode(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float) -> Tensor:
     """query: (num_decodes, H, D) -> (num_decodes, H, D)."""
     decode = metadata.decode
+    if decode.block_table is not None:
+        return kernels.paged_decode_attention(
+            query, kv_cache[0], kv_cache[1], decode.block_table, decode.seq_lens, scale
+        )
     num_decodes = query.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     shape = (num_decodes, decode.max_num_blocks * block_size, num_kv_heads, head_dim)

@@ -14,6 +14,9 @@ from torch import Tensor, nn
 
 
 class VocabEmbedding(nn.Module):
+    # A lossless bf16 copy for tied output projections (see layers/linear.py).
+    compact_weight: Tensor | None = None
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # (vocab, hidden)

@@ -1,17 +1,68 @@
-"""PackedLinear: several checkpoint projections that read the same input, run as one matmul.
+"""Linear layers: the matmul every projection goes through, and PackedLinear.
 
-q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear replaces three (or
-two) kernel launches and reads of the input per layer. This module owns the mapping between the
-packed weight's rows and the checkpoint shards. It must not know checkpoint file formats.
+`linear()` sends a decode-sized batch (a few rows) on a CPU to the small-M kernel, which reads
+each weight once for all rows; BLAS GEMMs run far below memory bandwidth there. Larger batches go
+to torch's GEMM. A weight whose float32 values are all exact bfloat16 numbers (a checkpoint
+stored in bf16, loaded for fp32 compute) also gets a bf16 copy, `compact_weight`, that the
+kernel reads instead: the same numbers in half the bytes, so the result does not change.
+
+PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
+replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping
+between the packed weight's rows and the checkpoint shards. This module must not know checkpoint
+file formats.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from octavo.model import kernels
 
-class PackedLinear(nn.Linear):
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, compact_weight: Tensor | None = None
+) -> Tensor:
+    """x: (num_tokens, in) -> (num_tokens, out) in x's dtype."""
+    small = compact_weight if compact_weight is not None else weight
+    if kernels.use_small_m_linear(x, small):
+        out = kernels.small_m_linear(x, small)
+        if bias is not None:
+            out += bias
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def exact_bfloat16(weight: Tensor) -> Tensor | None:
+    """A bfloat16 copy of a float32 weight if every value survives the round trip, else None."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    compact = weight.detach().to(torch.bfloat16)
+    return compact if torch.equal(compact.float(), weight) else None
+
+
+def attach_compact_weights(model: nn.Module) -> int:
+    """Give every Linear (and a tied embedding) whose weight is exactly bf16-representable its
+    bf16 copy. Call once after loading; returns how many weights got one."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) or hasattr(module, "compact_weight"):
+            module.compact_weight = exact_bfloat16(module.weight)
+            count += module.compact_weight is not None
+    return count
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear()`."""
+
+    compact_weight: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.compact_weight)
+
+
+class PackedLinear(Linear):
     """A Linear whose output rows are named shards stacked in order.
 
         weight rows:  [ shard 0 (size s0) | shard 1 (size s1) | ... ]

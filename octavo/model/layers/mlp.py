@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from octavo.model.layers.linear import PackedLinear
+from octavo.model.layers.linear import Linear, PackedLinear
 
 
 class GatedMLP(nn.Module):
@@ -18,7 +18,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = PackedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (num_tokens, hidden) -> (num_tokens, hidden)."""

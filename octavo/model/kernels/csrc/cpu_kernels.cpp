@@ -1,0 +1,254 @@
+// CPU kernels for the two places where a general-purpose library does badly on decode steps:
+//
+//  - paged_decode_attention: one query token per request attends to its keys and values where
+//    they lie in the paged cache, block by block, with no gather into a padded copy;
+//  - small_m_linear: out = x @ W^T for a handful of rows (M <= ~16), where BLAS GEMMs run far
+//    below memory bandwidth. Every weight is read from memory once and used for all M rows; the
+//    weight may be float32 or bfloat16 (widened to float32 in registers, accumulation in fp32).
+//
+// Both are registered as torch operators (torch.ops.octavo.*) and parallelised with
+// at::parallel_for, so they share torch's thread pool instead of starting another one.
+// Inputs are checked by the Python wrappers (octavo/model/kernels/__init__.py), which also hold
+// the plain-torch versions these are tested against.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OCTAVO_AVX2 1
+#endif
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// ---- paged decode attention -----------------------------------------------------------------
+
+template <typename cache_t>
+inline float dot(const float* q, const cache_t* k, int64_t d) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(k[i]);
+  return acc;
+}
+
+template <typename cache_t>
+inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_float(v[i]);
+}
+
+template <typename cache_t>
+void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 double scale) {
+  // query, out: (num_seqs, num_heads, head_dim) float32
+  // key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)
+  // block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,) int32
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t slot_stride = num_kv_heads * head_dim;  // between consecutive tokens
+
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const cache_t* k_base = key_cache.data_ptr<cache_t>();
+  const cache_t* v_base = value_cache.data_ptr<cache_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (group, seq_len), reused across the range
+    std::vector<float> acc;     // (group, head_dim)
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t seq_len = lens[seq];
+      const int32_t* blocks = table + seq * max_blocks;
+      const float* q = q_base + (seq * num_heads + kv_head * group) * head_dim;
+      scores.resize(group * seq_len);
+      // Scores: each key row is read once and used for every query head of its group.
+      for (int64_t t = 0; t < seq_len; ++t) {
+        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
+                             t % block_size;
+        const cache_t* k = k_base + slot * slot_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          scores[g * seq_len + t] = dot(q + g * head_dim, k, head_dim) * fscale;
+        }
+      }
+      // Softmax per head, in float32.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * seq_len;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < seq_len; ++t) {
+          s[t] = std::exp(s[t] - max_score);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
+      }
+      // Weighted values, again one read of each value row for the whole group.
+      acc.assign(group * head_dim, 0.f);
+      for (int64_t t = 0; t < seq_len; ++t) {
+        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
+                             t % block_size;
+        const cache_t* v = v_base + slot * slot_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          axpy(acc.data() + g * head_dim, scores[g * seq_len + t], v, head_dim);
+        }
+      }
+      float* o = out_base + (seq * num_heads + kv_head * group) * head_dim;
+      std::copy(acc.begin(), acc.end(), o);
+    }
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale) {
+  if (key_cache.scalar_type() == at::kBFloat16) {
+    paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
+                                               seq_lens, scale);
+  } else {
+    paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
+                                       seq_lens, scale);
+  }
+}
+
+// ---- small-M linear -------------------------------------------------------------------------
+
+#ifdef OCTAVO_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place.
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 shuf = _mm_movehdup_ps(lo);
+  __m128 sums = _mm_add_ps(lo, shuf);
+  shuf = _mm_movehl_ps(shuf, sums);
+  return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
+}
+#endif
+
+constexpr int64_t kRowsPerTile = 4;  // rows of x sharing each weight load
+
+#ifdef OCTAVO_AVX2
+// ROWS rows of x times weight rows n and n + 1, over the vectorised part of K. ROWS is a
+// template argument so the accumulators stay in registers (a runtime bound spills them).
+template <int ROWS, typename weight_t>
+inline void tile_2cols(const float* x, const weight_t* w0, const weight_t* w1, float* out,
+                       int64_t k_dim, int64_t k_vec, int64_t n_dim, int64_t n) {
+  __m256 acc0[ROWS], acc1[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    acc0[r] = _mm256_setzero_ps();
+    acc1[r] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_vec; k += 8) {
+    const __m256 a = load8(w0 + k);
+    const __m256 b = load8(w1 + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k_dim + k);
+      acc0[r] = _mm256_fmadd_ps(a, xv, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(b, xv, acc1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float s0 = hsum(acc0[r]), s1 = hsum(acc1[r]);
+    const float* xr = x + r * k_dim;
+    for (int64_t k = k_vec; k < k_dim; ++k) {
+      s0 += xr[k] * to_float(w0[k]);
+      s1 += xr[k] * to_float(w1[k]);
+    }
+    out[r * n_dim + n] = s0;
+    out[r * n_dim + n + 1] = s1;
+  }
+}
+#endif
+
+template <typename weight_t>
+void small_m_linear_cols(const float* x, const weight_t* w, float* out, int64_t m_rows,
+                         int64_t k_dim, int64_t n_dim, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+#ifdef OCTAVO_AVX2
+  const int64_t k_vec = k_dim - k_dim % 8;
+  for (; n + 2 <= n_end; n += 2) {
+    const weight_t* w0 = w + n * k_dim;
+    const weight_t* w1 = w0 + k_dim;
+    // The two weight rows stay in L1 while every tile of x passes over them.
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile) {
+      const float* xt = x + m0 * k_dim;
+      float* ot = out + m0 * n_dim;
+      switch (std::min(kRowsPerTile, m_rows - m0)) {
+        case 1: tile_2cols<1>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
+        case 2: tile_2cols<2>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
+        case 3: tile_2cols<3>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
+        default: tile_2cols<4>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
+      }
+    }
+  }
+#endif
+  for (; n < n_end; ++n) {
+    const weight_t* wn = w + n * k_dim;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float* xr = x + m * k_dim;
+      float s = 0.f;
+      for (int64_t k = 0; k < k_dim; ++k) s += xr[k] * to_float(wn[k]);
+      out[m * n_dim + n] = s;
+    }
+  }
+}
+
+void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight) {
+  // x: (M, K) float32; weight: (N, K) float32 or bfloat16; out: (M, N) float32.
+  const int64_t m_rows = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Grain: enough outputs per task that a task streams a few hundred KB of weights.
+  const int64_t grain = std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(k_dim, 1));
+  if (weight.scalar_type() == at::kBFloat16) {
+    const auto* wp = weight.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, n_dim, grain, [&](int64_t b, int64_t e) {
+      small_m_linear_cols(xp, wp, op, m_rows, k_dim, n_dim, b, e);
+    });
+  } else {
+    const float* wp = weight.data_ptr<float>();
+    at::parallel_for(0, n_dim, grain, [&](int64_t b, int64_t e) {
+      small_m_linear_cols(xp, wp, op, m_rows, k_dim, n_dim, b, e);
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(octavo, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor seq_lens, float scale) -> ()");
+  m.def("small_m_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(octavo, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("small_m_linear", &small_m_linear);
+}

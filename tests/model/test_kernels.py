@@ -1,0 +1,108 @@
+"""The CPU kernels against their plain-torch references, and the routing that picks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from octavo.model import kernels
+from octavo.model.layers.linear import Linear, attach_compact_weights, exact_bfloat16, linear
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+
+
+def _paged_inputs(num_seqs, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
+    num_blocks = num_seqs * max_blocks + 3
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # Blocks shuffled so that no request's blocks are contiguous or in order; padding entries
+    # point at real blocks, which the kernel must not read past seq_len.
+    order = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
+    block_table = order.view(num_seqs, max_blocks).to(torch.int32)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return query, key_cache.to(dtype), value_cache.to(dtype), block_table, lens
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (2, 1, 20, 3)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
+                                                  dtype):
+    seq_lens = [1, block_size, block_size + 1, 37, 5 * block_size - 1]
+    inputs = _paged_inputs(len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim,
+                           block_size, dtype, seed=num_heads + head_dim)
+    out = kernels.paged_decode_attention(*inputs, scale=head_dim**-0.5)
+    expected = kernels.paged_decode_attention_reference(*inputs, scale=head_dim**-0.5)
+    assert out.shape == (len(seq_lens), num_heads, head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_of_one_key_is_its_value():
+    query, key_cache, value_cache, block_table, _ = _paged_inputs(2, [1, 1], 6, 2, 8, 4,
+                                                                  torch.float32, seed=0)
+    out = kernels.paged_decode_attention(query, key_cache, value_cache, block_table,
+                                         torch.tensor([1, 1], dtype=torch.int32), scale=1.0)
+    for i in range(2):
+        first = value_cache[block_table[i, 0].long(), 0]  # (kv_heads, head_dim)
+        torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_m_linear_matches_reference(rows, n, k, dtype):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    out = kernels.small_m_linear(x, weight)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, kernels.small_m_linear_reference(x, weight),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_linear_routes_by_rows_and_keeps_results():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    few = torch.randn(kernels.SMALL_M_MAX_ROWS, 40, generator=gen)
+    many = torch.randn(kernels.SMALL_M_MAX_ROWS + 1, 40, generator=gen)
+    assert kernels.use_small_m_linear(few, weight)
+    assert not kernels.use_small_m_linear(many, weight)
+    for x in (few, many):
+        torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias),
+                                   atol=1e-5, rtol=1e-5)
+    # A bf16 input comes back in bf16 from either path.
+    assert linear(few.bfloat16(), weight.bfloat16()).dtype == torch.bfloat16
+
+
+def test_compact_weight_only_when_lossless():
+    exact = torch.randn(16, 8).bfloat16().float()
+    assert torch.equal(exact_bfloat16(exact).float(), exact)
+    inexact = exact.clone()
+    inexact[3, 5] += 1e-4
+    assert exact_bfloat16(inexact) is None
+    assert exact_bfloat16(exact.bfloat16()) is None  # already bf16: nothing to add
+
+    layer, other = Linear(8, 16, bias=False), Linear(8, 16, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(exact)
+        other.weight.copy_(inexact)
+    model = torch.nn.Sequential(layer, other)
+    assert attach_compact_weights(model) == 1
+    assert layer.compact_weight.dtype == torch.bfloat16 and other.compact_weight is None
+    x = torch.randn(2, 8)
+    # The compact copy holds the same numbers, so the layer's output is what fp32 gives.
+    torch.testing.assert_close(layer(x), F.linear(x, exact), atol=1e-5, rtol=1e-5)
+
+
+def test_disabled_kernels_fall_back(monkeypatch):
+    monkeypatch.setitem(kernels._state, "ok", False)
+    weight = torch.randn(8, 8)
+    assert not kernels.use_small_m_linear(torch.randn(1, 8), weight)
+    torch.testing.assert_close(linear(torch.ones(1, 8), weight), F.linear(torch.ones(1, 8), weight))
