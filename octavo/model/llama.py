@@ -22,7 +22,7 @@ from octavo.model.layers.embedding import VocabEmbedding
 from octavo.model.layers.linear import Linear, PackedLinear, linear
 from octavo.model.layers.mlp import GatedMLP
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary
+from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary_
 from octavo.model.layers.weights import load_checkpoint_weights
 
 
@@ -58,7 +58,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # In place: q and k are views into this layer's fresh qkv output.
+        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)
         attn_output = self.attn(q, k, v, kv_cache, attn_metadata)  # (num_tokens, q_size)
         return self.o_proj(attn_output)
 

@@ -106,3 +106,41 @@ def test_disabled_kernels_fall_back(monkeypatch):
     weight = torch.randn(8, 8)
     assert not kernels.use_small_m_linear(torch.randn(1, 8), weight)
     torch.testing.assert_close(linear(torch.ones(1, 8), weight), F.linear(torch.ones(1, 8), weight))
+
+
+def test_fused_rms_norm_matches_torch_and_consumes_inputs():
+    from octavo.model.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(40, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=gen))
+    x, residual = torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen)
+    total = x + residual
+    expected = norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
+    alone = norm(x.clone())
+    torch.testing.assert_close(
+        alone, norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
+        atol=1e-6, rtol=1e-5,
+    )
+    x_in = x.clone()
+    normed, new_residual = norm.add_and_norm(x_in, residual.clone())
+    torch.testing.assert_close(new_residual, total, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected, atol=1e-6, rtol=1e-5)
+    assert normed.data_ptr() == x_in.data_ptr()  # computed in place
+
+
+def test_fused_rotary_matches_torch_on_a_packed_view():
+    from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_
+
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(16, 10000.0, None)
+    cos, sin = rope(torch.tensor([0, 5, 17, 300]), torch.float32)
+    packed = torch.randn(4, 3 * 16 + 2 * 16, generator=gen)  # q: 3 heads, k and v: 1 head
+    q = packed[:, :48].view(4, 3, 16)
+    expected = apply_rotary(q, cos, sin)
+    untouched = packed[:, 48:].clone()
+    out = apply_rotary_(q, cos, sin)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert out.data_ptr() == packed.data_ptr()  # rotated where it lies
+    assert torch.equal(packed[:, 48:], untouched)  # k and v columns left alone

@@ -1,10 +1,13 @@
 """Fused CPU kernels (csrc/cpu_kernels.cpp) and the plain-torch versions they must agree with.
 
-Two operators, both for decode-sized work where general libraries waste the CPU:
+Two operators for decode-sized work where general libraries waste the CPU:
 - `paged_decode_attention`: one query token per request attends over its blocks in place (no
   gather of the context into a padded copy, no padding to the longest request);
 - `small_m_linear`: x @ W^T for a few rows, reading each weight once for all rows; the weight
   may be float32 or bfloat16 (half the bytes; widened in registers, accumulated in float32).
+And two that fold a chain of elementwise torch ops into one pass, in place: RMSNorm with its
+residual add (`rms_norm_`) and rotary embedding (`rotary_`). Their callers keep the torch code
+as the fallback, and the tests compare both.
 
 The C++ source is compiled on first use with torch's extension builder into a cache folder
 (`OCTAVO_KERNEL_CACHE`, default ~/.cache/octavo/kernels/<torch>-<source hash>), which takes
@@ -141,3 +144,25 @@ def use_small_m_linear(x: Tensor, weight: Tensor) -> bool:
         and weight.is_contiguous()
         and available()
     )
+
+
+# --- fused elementwise ----------------------------------------------------------------------------
+
+
+def use_fused_elementwise(x: Tensor) -> bool:
+    """Whether rms_norm_ / rotary_ can take x: float32 on a CPU with the kernels built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+
+
+def rms_norm_(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> None:
+    """In place. x: (num_tokens, hidden) float32 contiguous; weight: (hidden,) float32.
+    Without residual: x <- weight * x / rms(x). With residual (same shape, contiguous):
+    residual <- x + residual, then x <- weight * residual / rms(residual)."""
+    has_residual = residual is not None
+    torch.ops.octavo.rms_norm(x, residual if has_residual else x, weight, eps, has_residual)
+
+
+def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place: x <- x * cos + rotate_half(x) * sin. x: (num_tokens, num_heads, head_dim)
+    float32 with unit stride in head_dim; cos, sin: (num_tokens, head_dim) float32."""
+    torch.ops.octavo.rotary(x, cos.contiguous(), sin.contiguous())

@@ -6,7 +6,11 @@
 //    below memory bandwidth. Every weight is read from memory once and used for all M rows; the
 //    weight may be float32 or bfloat16 (widened to float32 in registers, accumulation in fp32).
 //
-// Both are registered as torch operators (torch.ops.octavo.*) and parallelised with
+// Beside them, RMSNorm (with the residual add) and rotary embedding in place, one pass each over
+// the data instead of the half-dozen elementwise ops (and temporaries) they take in torch, which
+// dominate a decode step's op count once the matmuls are fast.
+//
+// All are registered as torch operators (torch.ops.octavo.*) and parallelised with
 // at::parallel_for, so they share torch's thread pool instead of starting another one.
 // Inputs are checked by the Python wrappers (octavo/model/kernels/__init__.py), which also hold
 // the plain-torch versions these are tested against.
@@ -239,6 +243,60 @@ void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weigh
   }
 }
 
+// ---- RMSNorm with the residual add, and rotary embedding --------------------------------------
+
+// x, residual: (num_tokens, hidden) float32, contiguous, updated in place:
+//   residual <- x + residual;  x <- weight * (residual * rsqrt(mean(residual^2) + eps))
+// (with has_residual false, residual is ignored and x is normalised in place).
+void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
+              bool has_residual) {
+  const int64_t num_tokens = x.size(0), hidden = x.size(1);
+  float* xp = x.data_ptr<float>();
+  float* rp = has_residual ? residual.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xp + t * hidden;
+      const float* src = xr;
+      if (has_residual) {
+        float* rr = rp + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) rr[i] += xr[i];
+        src = rr;
+      }
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) sum_sq += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + feps);
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = wp[i] * (src[i] * inv);
+    }
+  });
+}
+
+// x: (num_tokens, num_heads, head_dim) float32 with unit stride in head_dim (rows may be views
+// into a wider packed projection); cos, sin: (num_tokens, head_dim) float32 contiguous.
+// In place: x <- x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] of the two halves.
+void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1), half = head_dim / 2;
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * head_dim;
+      const float* s = sp + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* row = xp + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = row[i], x2 = row[i + half];
+          row[i] = x1 * c[i] - x2 * s[i];
+          row[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(octavo, m) {
@@ -246,9 +304,15 @@ TORCH_LIBRARY(octavo, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor seq_lens, float scale) -> ()");
   m.def("small_m_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def(
+      "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
+      " -> ()");
+  m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("small_m_linear", &small_m_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
 }
