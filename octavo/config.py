@@ -46,11 +46,19 @@ class SchedulerConfig:
     watermark: float = 0.0
     # Overrides the policy's victim rule; None keeps the policy's own.
     preempt_victim: str | None = None
+    # A prompt chunk runs at most this many tokens per step (0: up to the whole budget), so
+    # one long prompt cannot stall every running stream for a whole big step (vLLM's name).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}."
+            )
         _check_admission(self.admission, self.watermark, self.preempt_victim)
 
 
@@ -66,6 +74,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     # JSON-lines file that gets one line per finished request; None: no log.
     request_log: str | None = None
+    # The chat template text that replaces the model's own (--chat-template); None: the model's.
+    chat_template: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -80,6 +90,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
@@ -91,8 +102,11 @@ class EngineArgs:
     watermark: float = 0.0
     preempt_victim: str | None = None
     request_log: str | None = None
+    # A Jinja chat template, as a file path or the template text itself (vLLM's rule).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}."
@@ -102,6 +116,11 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}."
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.block_size < 1:
@@ -122,3 +141,24 @@ def _check_admission(admission: str, watermark: float, preempt_victim: str | Non
         raise ValueError(
             f"preempt_victim must be one of {', '.join(PREEMPT_VICTIMS)}; got {preempt_victim!r}."
         )
+
+
+# Characters that mark a value as template text rather than a path (vLLM's test).
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: the text of the file it names, else the value itself if it looks like
+    a template. ValueError naming chat_template for a path that cannot be read."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    except OSError as exc:
+        if any(char in value for char in _TEMPLATE_CHARS):
+            return value
+        raise ValueError(
+            f"chat_template {value!r} is neither a readable file ({exc.strerror}) nor a "
+            "template."
+        ) from None

@@ -21,11 +21,12 @@ ALLOWED = {
     "model": set(),
     "sample": set(),
     "metrics": set(),
-    "engine": {"core", "worker", "metrics"},
+    "engine": {"core", "worker", "metrics", "structured_output"},
+    "structured_output": {"core"},
     "entrypoints": {"engine", "core", "metrics", "bench", "entrypoints"},
     "bench": {"entrypoints", "core", "config"},
 }
-NO_TORCH = {"core", "metrics"}
+NO_TORCH = {"core", "metrics", "structured_output"}
 
 
 def _imports(path: pathlib.Path) -> list[str]:

@@ -2,12 +2,16 @@
 
 Only the scheduler mutates a Request. `n > 1` is fanned out by the engine into child requests
 before they get here, so every Request has exactly one output.
+
+A structured-output request carries a `RequestGrammar`: the small protocol through which the
+scheduler drives a grammar without knowing the library behind it (core imports none).
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from octavo.core.sampling_params import SamplingParams
 
@@ -39,6 +43,26 @@ _FINISH_REASONS = {
 }
 
 
+class RequestGrammar(Protocol):
+    """One request's output constraint, as the scheduler uses it. Each request (each n > 1
+    child too) has its own: the state advances with that request's tokens only."""
+
+    def is_ready(self) -> bool:
+        """Compiled: the request may be admitted. Until then the scheduler passes it over
+        and admits those behind it."""
+        ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token. False if the grammar rejects it; it is then
+        terminated."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """Complete (or failed): nothing but EOS may follow, and the next token ends the
+        request."""
+        ...
+
+
 class Request:
     def __init__(
         self,
@@ -47,14 +71,17 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         """`max_tokens` is resolved by the engine: the user's value, or what max_model_len
-        leaves after the prompt. The caller has checked prompt + max_tokens fits."""
+        leaves after the prompt. The caller has checked prompt + max_tokens fits. `grammar` is
+        set for a structured-output request; it sees every output token exactly once."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.grammar = grammar
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -19,7 +19,7 @@ from octavo.core.admission import AdmissionCandidate, AdmissionPolicy, make_admi
 from octavo.core.block_hash import extend_block_hashes
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
-from octavo.core.request import Request, RequestStatus
+from octavo.core.request import Request, RequestGrammar, RequestStatus
 from octavo.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from octavo.metrics.stats import SchedulerStats
 
@@ -70,6 +70,7 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -155,7 +156,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = min(
+            num_new_tokens = self._chunk(
                 request.num_tokens - request.num_computed_tokens, plan.token_budget
             )
             if num_new_tokens <= 0:
@@ -163,6 +164,14 @@ class Scheduler:
             block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if block_ids is not None:
                 plan.add_running(request, num_new_tokens, block_ids)
+
+    def _chunk(self, num_remaining: int, token_budget: int) -> int:
+        """Tokens a request runs this step: what it has left, within the budget and the
+        long-prefill cap."""
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < num_remaining:
+            num_remaining = threshold
+        return min(num_remaining, token_budget)
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -195,10 +204,16 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
+        # Requests whose grammar is still compiling (off the step loop) keep their place in
+        # the queue while those behind them are considered.
+        skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.is_ready():
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
+            num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, plan.token_budget)
             candidate = AdmissionCandidate(
                 request,
                 num_new_tokens,
@@ -216,6 +231,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             plan.add_new(request, num_new_tokens)
+        self.waiting.extendleft(reversed(skipped))
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [
@@ -245,7 +261,18 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             preempted_req_ids=set(plan.preempted_req_ids),
             finished_req_ids=finished_req_ids,
+            structured_output_req_ids=self._structured_output_req_ids(plan),
         )
+
+    def _structured_output_req_ids(self, plan: _StepPlan) -> list[str]:
+        """Scheduled requests with a grammar whose step ends at their last known token, so
+        that they sample (num_computed_tokens has not advanced yet)."""
+        return [
+            request_id
+            for request_id, num_new_tokens in plan.num_scheduled_tokens.items()
+            if (request := self.requests[request_id]).grammar is not None
+            and request.num_computed_tokens + num_new_tokens >= request.num_tokens
+        ]
 
     # --- update -------------------------------------------------------------------------------
 
@@ -255,10 +282,13 @@ class Scheduler:
         """Append the sampled tokens, check token-level stops, free finished requests.
 
         The only place tokens are appended. Per token: append; a stop token (once min_tokens
-        are out) finishes it as STOPPED; else reaching max_tokens or max_model_len finishes
-        it as LENGTH_CAPPED. Tokens after a stop are dropped. Returns one output per request
-        that got tokens; a prefill chunk that is not the last gets none. Requests aborted
-        since `schedule()` are skipped.
+        are out) finishes it as STOPPED; else the request's grammar, if any, takes the token,
+        and a token that follows a complete grammar or that the grammar rejects finishes it as
+        STOPPED like a stop token; else reaching max_tokens or max_model_len finishes it as
+        LENGTH_CAPPED. Tokens after a stop are dropped. A grammar sees only tokens sampled
+        here, so the recomputation after a preemption never feeds it twice. Returns one output
+        per request that got tokens; a prefill chunk that is not the last gets none. Requests
+        aborted since `schedule()` are skipped.
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
@@ -304,6 +334,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 # A user's stop token is reported; EOS is not (vLLM's stop_reason).
                 request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            elif request.grammar is not None and self._grammar_ends(request.grammar, token_id):
+                request.status = RequestStatus.FINISHED_STOPPED
             elif (
                 request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len
@@ -312,6 +344,18 @@ class Scheduler:
             if request.is_finished:
                 return token_ids[: idx + 1]
         return list(token_ids)
+
+    @staticmethod
+    def _grammar_ends(grammar: RequestGrammar, token_id: int) -> bool:
+        """Whether `token_id` ends the request as a stop token does (no text). After a complete
+        grammar only EOS can be sampled, a stop token unless the request ignores EOS; ending on
+        the completing token instead would drop its text. vLLM ends on the next one too."""
+        if grammar.is_terminated():
+            return True
+        if not grammar.accept_token(token_id):
+            logger.warning("a structured-output grammar rejected token %d", token_id)
+            return True
+        return False
 
     def _finish(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

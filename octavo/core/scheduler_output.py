@@ -8,8 +8,12 @@ afterwards (CachedRequestData). No torch here: the runner turns this into tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from octavo.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,13 @@ class SchedulerOutput:
     # as NewRequestData) and finished or aborted since the last step.
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured-output requests that sample a token this step (their last known token is
+    # computed by it), in scheduling order; a mid-prompt chunk is not among them.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    # Filled by the engine between schedule and execute: (len(structured_output_req_ids),
+    # ceil(vocab / 32)) int32, row i the allowed-token bits of request i (bit t % 32 of word
+    # t // 32 set = token t allowed). None when no structured request samples this step.
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

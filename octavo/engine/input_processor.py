@@ -13,6 +13,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from octavo.core.sampling_params import SamplingParams
+from octavo.structured_output import StructuredOutputManager
 
 # What `generate` accepts as one prompt: text, token ids, or vLLM's dict forms.
 PromptType = str | list[int] | Mapping[str, Any]
@@ -31,11 +32,14 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
+        """Without `structured_output`, requests with a constraint are refused."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.structured_output = structured_output
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         if isinstance(prompt, Mapping):
@@ -62,7 +66,14 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
+        """Render with `chat_template` (default: the tokenizer's, which a `--chat-template`
+        override replaced at load) and tokenize. `tools` are passed to the template, which
+        renders them if it supports tools; `add_special_tokens` adds the tokenizer's special
+        tokens (BOS) on top of what the template writes. ValueError names the parameter."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list.")
         for message in messages:
@@ -74,9 +85,21 @@ class InputProcessor:
             )
         if chat_template is None and self.tokenizer.chat_template is None:
             raise ValueError("This model has no chat template; pass chat_template.")
+        # Keys the renderer sets itself: letting kwargs override them would change what is
+        # returned (tokenize) or contradict the explicit parameters.
+        fixed = {"conversation", "messages", "tools", "documents", "chat_template",
+                 "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+                 "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+                 "max_length", "tokenizer_kwargs"}
+        clash = sorted(fixed.intersection(chat_template_kwargs or {}))
+        if clash:
+            raise ValueError(
+                f"chat_template_kwargs must not set {', '.join(clash)}; use the parameter itself."
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -85,8 +108,8 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja errors: the template rejected these messages
             raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
-        # The rendered text already holds the template's special tokens (BOS included).
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # The template writes its own special tokens (BOS included); more only if asked.
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return self._check_token_ids(text, token_ids)
 
     def _check_token_ids(self, prompt: str | None, token_ids: list[int]) -> ProcessedPrompt:
@@ -119,6 +142,12 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is out of range for the vocab.")
+        if params.structured_outputs is not None:
+            # Parses and checks the schema, regex or grammar (milliseconds, cached by key) so
+            # that a bad one is refused here, never while the request waits for its grammar.
+            if self.structured_output is None:
+                raise ValueError("structured_outputs is not supported by this engine.")
+            self.structured_output.validate(params.structured_outputs)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)

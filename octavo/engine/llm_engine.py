@@ -1,7 +1,10 @@
 """LLMEngine: add_request / step / abort over the scheduler, the model runner and the output
 processor. `step()` is the one data flow of the engine:
 
-    schedule -> execute -> update -> process_outputs
+    schedule -> grammar bitmask -> execute -> update -> process_outputs
+
+The bitmask holds the allowed tokens of this step's sampling structured-output requests; their
+grammars are compiled off the step loop by the StructuredOutputManager.
 
 The engine owns no policy of its own: admission lives in the scheduler, tensors in the runner,
 text in the output processor. It fans `n > 1` out into child requests, which the scheduler
@@ -14,6 +17,7 @@ the step's SchedulerStats and IterationStats to its stat loggers (Prometheus, re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -32,9 +36,14 @@ from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import SchedulerStats, StatLogger
 from octavo.metrics.tracker import RequestStatsTracker
+from octavo.structured_output import StructuredOutputManager
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Longest an idle step waits for a grammar to compile; new commands (adds, aborts) are read
+# between steps, so this bounds how late the step loop sees them.
+_GRAMMAR_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -52,11 +61,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_runner = model_runner
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.structured_output = StructuredOutputManager(
+            tokenizer, model_runner.vocab_size, eos_token_ids
+        )
         self.input_processor = InputProcessor(
             tokenizer,
             config.scheduler.max_model_len,
             model_runner.vocab_size,
             eos_token_ids,
+            self.structured_output,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
@@ -72,7 +85,7 @@ class LLMEngine:
         from octavo.engine.tokenizer import load_tokenizer
 
         parts = load_engine_parts(args)
-        tokenizer = load_tokenizer(parts.model_path)
+        tokenizer = load_tokenizer(parts.model_path, parts.config.chat_template)
         runner = ModelRunner(
             parts.model,
             parts.model_config,
@@ -123,6 +136,13 @@ class LLMEngine:
         else:
             children = [(f"{i}_{request_id}", _child_params(params, i)) for i in range(params.n)]
             child_ids = [child_id for child_id, _ in children]
+        # Each child advances its own grammar; the compilation is shared (and cached).
+        grammars = [
+            None
+            if child_params.structured_outputs is None
+            else self.structured_output.grammar_for(child_params.structured_outputs)
+            for _, child_params in children
+        ]
         self.output_processor.add_request(
             request_id,
             processed.prompt,
@@ -131,9 +151,10 @@ class LLMEngine:
             output_kind,
             child_ids,
         )
-        for child_id, child_params in children:
+        for (child_id, child_params), grammar in zip(children, grammars):
             request = Request(
-                child_id, processed.prompt_token_ids, child_params, max_tokens, arrival_time
+                child_id, processed.prompt_token_ids, child_params, max_tokens, arrival_time,
+                grammar,
             )
             self.scheduler.add_request(request)
             self.stats_tracker.add_request(
@@ -154,7 +175,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         step_start_time = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._with_grammar_bitmask(self.scheduler.schedule())
         runner_output = self.model_runner.execute(scheduler_output)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
@@ -162,6 +183,23 @@ class LLMEngine:
         self.scheduler.abort_requests(processed.reqs_to_abort)
         self._record_stats(step_start_time, scheduler_output, core_outputs, processed.reqs_to_abort)
         return processed.request_outputs
+
+    def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step's output with the allowed-token bitmask of its sampling structured
+        requests. With nothing scheduled while grammars compile, wait a little for one
+        instead of letting the step loop spin."""
+        req_ids = scheduler_output.structured_output_req_ids
+        if not req_ids:
+            if scheduler_output.is_empty:
+                self.structured_output.wait_for_pending(_GRAMMAR_WAIT_S)
+            return scheduler_output
+        grammars = []
+        for request_id in req_ids:
+            request = self.scheduler.get_request(request_id)
+            assert request is not None and request.grammar is not None, request_id
+            grammars.append(request.grammar)
+        bitmask = self.structured_output.grammar_bitmask(grammars)
+        return dataclasses.replace(scheduler_output, grammar_bitmask=bitmask)
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Hand every later step's stats to `stat_logger` (on the thread that steps)."""

@@ -1,7 +1,10 @@
 """Loads the tokenizer (and its chat template) that belongs to a model path.
 
 GGUF files carry their vocabulary, merges and chat template in metadata; transformers builds a
-fast tokenizer from them. Hugging Face folders use their own tokenizer files.
+fast tokenizer from them. Hugging Face folders use their own tokenizer files
+(`tokenizer_config.json` or `chat_template.jinja`). A `--chat-template` override replaces the
+model's template on the tokenizer itself, so every renderer (the server's chat and /tokenize,
+`LLM.chat`, `octavo chat`) uses it without being told.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from transformers.utils import logging as hf_logging
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
-    """`model_path` is a resolved model location: a .gguf file or a Hugging Face folder."""
+def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """`model_path` is a resolved model location: a .gguf file or a Hugging Face folder;
+    `chat_template` (template text, already read from its file) replaces the model's."""
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -31,4 +35,6 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     finally:
         hf_logging.set_verbosity(previous)
         hf_logging.enable_progress_bar()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer

@@ -20,6 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument(
+        "--long-prefill-token-threshold", type=int, default=0,
+        help="at most this many prompt tokens of one request per step (0: no cap)",
+    )
     group.add_argument("--kv-cache-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -39,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-log", default=defaults.request_log, metavar="PATH",
                        help="append one JSON line per finished request (lengths, finish "
                             "reason, TTFT, largest token gap, evictions) to PATH")
+    group.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                       help="Jinja chat template (a file, or the template text) that replaces "
+                            "the model's own")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -48,6 +55,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
         kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
         block_size=ns.block_size,
@@ -58,6 +66,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         watermark=ns.watermark,
         preempt_victim=ns.preempt_victim,
         request_log=ns.request_log,
+        chat_template=ns.chat_template,
     )
 
 
@@ -74,6 +83,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origins", default=None,
                        help='CORS origins, a JSON list or comma-separated (e.g. \'["*"]\'); '
                             "CORS is off by default")
+    # Checked by ServerConfig (importing the parser registry here would load the server).
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how tool calls are read from the model's text (hermes: "
+                            "<tool_call>{json}</tool_call>, Hermes and Qwen models)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the default when a request has tools); '
+                            "needs --tool-call-parser")
 
 
 def server_config_from(ns: argparse.Namespace):
@@ -86,7 +102,9 @@ def server_config_from(ns: argparse.Namespace):
         text = ns.allowed_origins.strip()
         values = json.loads(text) if text.startswith("[") else text.split(",")
         origins = tuple(str(v).strip() for v in values if str(v).strip())
-    return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key, allowed_origins=origins)
+    return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key, allowed_origins=origins,
+                        tool_call_parser=ns.tool_call_parser,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -142,6 +160,14 @@ def make_parser() -> argparse.ArgumentParser:
     add_throughput_args(throughput)
     add_engine_args(throughput)
 
+    from octavo.bench.structured import add_structured_args
+
+    structured_bench = bench_commands.add_parser(
+        "structured", help="throughput with half the batch under a JSON schema; compile time"
+    )
+    add_structured_args(structured_bench)
+    add_engine_args(structured_bench)
+
     from octavo.bench.serve import add_serve_bench_args
 
     serve_bench = bench_commands.add_parser(
@@ -167,7 +193,30 @@ def make_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
     add_plan_args(plan)
+
+    convert = commands.add_parser(
+        "convert", help="GGUF -> Hugging Face folder (config.json, safetensors, tokenizer files)"
+    )
+    add_convert_args(convert)
     return parser
+
+
+def add_convert_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gguf", metavar="GGUF", help="the .gguf file to convert")
+    parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write (created if missing)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["bfloat16", "float16", "float32"],
+                        help="dtype of the written weights (default: bfloat16)")
+    parser.add_argument("--format", dest="fmt", default="hf", choices=["hf", "gguf"],
+                        help="hf: config.json + model.safetensors + tokenizer files; "
+                             "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)")
+
+
+def convert_command(ns: argparse.Namespace) -> list[str]:
+    """The converter runs as its own program: the CLI does not import model code (DESIGN.md's
+    dependency direction), and a conversion shares nothing with a running engine."""
+    return [sys.executable, "-m", "octavo.model.convert", ns.gguf, ns.out_dir,
+            "--dtype", ns.dtype, "--format", ns.fmt]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.throughput import run_throughput
 
             return run_throughput(ns, engine_args_from(ns))
+        if ns.command == "bench" and ns.bench_command == "structured":
+            from octavo.bench.structured import run_structured_bench
+
+            return run_structured_bench(ns, engine_args_from(ns))
         if ns.command == "bench" and ns.bench_command == "serve":
             from octavo.bench.serve import run_serve_bench
 
@@ -212,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.plan import run_plan
 
             return run_plan(ns)
+        if ns.command == "convert":
+            import subprocess
+
+            return subprocess.call(convert_command(ns))
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

@@ -31,6 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = EngineArgs.max_num_seqs,
         max_num_batched_tokens: int | None = None,
+        long_prefill_token_threshold: int = 0,
         kv_cache_tokens: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         block_size: int = 16,
@@ -41,16 +42,19 @@ class LLM:
         watermark: float = 0.0,
         preempt_victim: str | None = None,
         request_log: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """`admission`, `watermark` and `preempt_victim` choose what must be free before a
         request starts and whom to evict (see octavo/core/admission.py); `request_log` names
-        a JSON-lines file that gets one line per finished request."""
+        a JSON-lines file that gets one line per finished request; `chat_template` (a file or
+        the template text) replaces the model's chat template."""
         args = EngineArgs(
             model=model,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             kv_cache_tokens=kv_cache_tokens,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             block_size=block_size,
@@ -61,6 +65,7 @@ class LLM:
             watermark=watermark,
             preempt_victim=preempt_victim,
             request_log=request_log,
+            chat_template=chat_template,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 
@@ -92,8 +97,11 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the chat template (`chat_template`, else the model's
+        or the engine's override), then generate. `tools` (OpenAI's tool dicts) are passed to
+        the template, which renders them if it supports tools; the output is not parsed."""
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
@@ -105,6 +113,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for conversation in conversations
         ]

@@ -59,7 +59,8 @@ class Sampler(nn.Module):
         logprob and 1-based rank in front.
 
     Steps 2-4 can change the argmax, so they come before the greedy pick; 6-9 cannot, so greedy
-    rows skip them. `logits` is modified in place.
+    rows skip them. `logits` is modified in place. Structured-output rows arrive already masked
+    by the runner (ops/bitmask.py), so "raw" here means raw within the grammar.
     """
 
     def forward(self, logits: Tensor, metadata: SamplingMetadata) -> SamplerOutput:

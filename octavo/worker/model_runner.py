@@ -20,6 +20,7 @@ from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import InputBatch
 
@@ -78,7 +79,10 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
         )
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+        metadata = self._sampling_metadata(inputs.sample_rows)
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, metadata, inputs.sample_rows, scheduler_output)
+        sampler_output = self.sampler(logits, metadata)
         return self._make_output(inputs, sampler_output)
 
     # --- persistent batch -------------------------------------------------------------------
@@ -150,6 +154,36 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     # --- sampling ---------------------------------------------------------------------------
+
+    def _apply_grammar_bitmask(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        sample_rows: list[int],
+        scheduler_output: SchedulerOutput,
+    ) -> None:
+        """Structured-output rows get -inf on the tokens their grammar forbids, before the
+        sampler: its logprobs, penalties and filters all see the constrained distribution."""
+        bitmask = scheduler_output.grammar_bitmask
+        assert bitmask is not None
+        index_of_row = {row: i for i, row in enumerate(sample_rows)}
+        logits_rows, mask_rows = [], []
+        for mask_row, request_id in enumerate(scheduler_output.structured_output_req_ids):
+            logits_row = index_of_row.get(self.input_batch.row_of.get(request_id, -1))
+            if logits_row is None:
+                continue
+            logits_rows.append(logits_row)
+            mask_rows.append(mask_row)
+            stop_ids = metadata.min_tokens_stop_ids.get(logits_row)
+            if stop_ids and not allows_other_tokens(bitmask[mask_row], stop_ids):
+                # A complete grammar allows only EOS; min_tokens would forbid that too and
+                # leave the row nothing to sample. The grammar wins.
+                del metadata.min_tokens_stop_ids[logits_row]
+        apply_token_bitmask(
+            logits,
+            self._to_device(bitmask[mask_rows]),
+            self._to_device(np.asarray(logits_rows, dtype=np.int64)),
+        )
 
     def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         batch = self.input_batch

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octavo.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from octavo.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    SchedulerConfig,
+    load_chat_template,
+)
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import kv_cache_bytes_per_token
 from octavo.model.loader import find_default_model, load_model
@@ -71,12 +77,14 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_model_len=max_model_len,
             admission=args.admission,
             watermark=args.watermark,
             preempt_victim=args.preempt_victim,
         ),
         request_log=args.request_log,
+        chat_template=load_chat_template(args.chat_template),
     )
     logger.info("dtype %s (%s)", config.dtype, dtype_reason)
     logger.info("resolved configuration: %s", config.to_json())

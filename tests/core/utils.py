@@ -22,9 +22,13 @@ def create_scheduler(
     max_model_len: int = 64,
     enable_prefix_caching: bool = True,
     policy: AdmissionPolicy | None = None,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, max_model_len,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        ),
         CacheConfig(block_size, num_blocks, enable_prefix_caching),
         policy,
     )

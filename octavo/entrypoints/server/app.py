@@ -28,6 +28,7 @@ import octavo
 from octavo.config import EngineArgs
 from octavo.engine.async_engine import AsyncEngine
 from octavo.engine.llm_engine import LLMEngine
+from octavo.entrypoints.server.chat_render import chat_render_from
 from octavo.entrypoints.server.errors import (
     OpenAIError,
     bad_request,
@@ -41,9 +42,10 @@ from octavo.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from octavo.entrypoints.server.serving_chat import OpenAIServingChat, check_messages
+from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, parse_body
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,18 @@ class ServerConfig:
     max_request_body_bytes: int = 16 << 20
     # On SIGTERM, how long in-flight responses may run before they are aborted.
     graceful_shutdown_timeout_s: float = 30.0
+    # Tool calling (vLLM's flags): the parser that reads calls out of the model's text, and
+    # whether tool_choice "auto" (the default when tools are given) is allowed.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self) -> None:
+        # A bad combination fails at start-up (ValueError), not on the first request.
+        ToolServing(self.tool_call_parser, self.enable_auto_tool_choice)
+
+    @property
+    def tool_serving(self) -> ToolServing:
+        return ToolServing(self.tool_call_parser, self.enable_auto_tool_choice)
 
 
 class ApiKeyMiddleware:
@@ -103,7 +117,7 @@ def build_app(
         max_request_body_bytes=config.max_request_body_bytes,
     )
     completions = OpenAIServingCompletion(context)
-    chat = OpenAIServingChat(context)
+    chat = OpenAIServingChat(context, config.tool_serving)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -144,12 +158,13 @@ def build_app(
         processor = engine.input_processor
         try:
             if request.messages is not None:
-                processed = processor.render_chat(
-                    check_messages(request.messages),
-                    add_generation_prompt=request.add_generation_prompt,
-                )
+                # Rendered exactly as a chat completion renders the same fields, so `count`
+                # is that request's prompt_tokens.
+                render = chat_render_from(request, check_tools(request.tools))
+                processed = render(processor)
             elif request.prompt is not None:
-                processed = processor.process_prompt(request.prompt, request.add_special_tokens)
+                add_special = request.add_special_tokens is not False
+                processed = processor.process_prompt(request.prompt, add_special)
             else:
                 raise bad_request("Give prompt or messages.", "prompt")
         except ValueError as exc:

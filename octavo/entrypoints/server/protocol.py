@@ -49,6 +49,37 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extra: set exactly one (checked by the handler)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    # Aliased: `json` and `schema` would shadow pydantic's own methods.
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaResponseFormat(_Request):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Accepted for OpenAI compatibility; the schema is always enforced.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format` (chat)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -62,9 +93,39 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    # A JSON schema for the arguments object; checked by the handler (400 naming `tools`).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class ChatCompletionRequest(_SamplingFields):
     # Checked message by message by the chat handler, so errors can say which one is wrong.
     messages: list[Any]
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
+    tool_choice: ToolChoice | None = None
+    # Special tokens added on top of what the chat template writes (vLLM's; BOS, usually).
+    add_special_tokens: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -72,14 +133,20 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (the template writes its own), as vLLM.
+    add_special_tokens: bool | None = None
+    # Chat only, rendered exactly as /v1/chat/completions renders them.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -139,9 +206,29 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    # JSON text of the arguments object, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -161,16 +248,42 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call `index`: the first names id, type and function name; the rest carry
+    only argument fragments (OpenAI's stream shape)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset_role(self, handler: Any) -> dict[str, Any]:
-        # Only the first chunk of a choice names the role; later deltas leave the key out.
+        # Only the first chunk of a choice names the role; later deltas leave the key out, and
+        # a delta that carries no text or no call pieces leaves those keys out.
         data = handler(self)
-        if data.get("role") is None:
-            data.pop("role", None)
+        for key in ("role", "content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

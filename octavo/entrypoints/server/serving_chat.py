@@ -1,7 +1,11 @@
-"""`POST /v1/chat/completions`: chat messages rendered by the model's template, streaming or not.
+"""`POST /v1/chat/completions`: chat messages rendered by the model's template, streaming or not,
+with tool calls.
 
-Owns message checking (each error names `messages` and says which message is wrong), the chat
-response and chunk shapes (a role delta opens each choice's stream), and chat `logprobs`.
+Owns the chat response and chunk shapes (a role delta opens each choice's stream; tool calls
+stream as OpenAI's deltas: index, id and name first, then argument fragments), chat
+`logprobs`, and the use of one tool parser per choice. `finish_reason` is "tool_calls" when a
+choice that stopped naturally made calls. Message checking and rendering live in
+chat_render.py, tools and tool_choice in tool_parsers/.
 
 Must not: step the engine; rendering and tokenization happen here, before submitting, and are
 moved to a worker thread when the conversation is large.
@@ -10,16 +14,16 @@ moved to a worker thread when the conversation is large.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from octavo.engine.async_engine import EngineRequest
 from octavo.engine.outputs import CompletionOutput
+from octavo.entrypoints.server.chat_render import chat_render_from
 from octavo.entrypoints.server.errors import bad_request
 from octavo.entrypoints.server.protocol import (
     ChatChoiceLogprobs,
@@ -30,7 +34,11 @@ from octavo.entrypoints.server.protocol import (
     ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
 )
 from octavo.entrypoints.server.serving_common import (
@@ -50,8 +58,8 @@ from octavo.entrypoints.server.serving_common import (
     run_unless_disconnected,
     sse,
 )
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
+from octavo.entrypoints.server.tool_parsers import ToolCallDelta, ToolParser
+from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, resolve_tools
 
 
 @dataclass(slots=True)
@@ -61,11 +69,16 @@ class _Choice:
     logprobs: list[ChatTokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Reads tool calls out of this choice's text; None: the text is all content.
+    parser: ToolParser | None = None
+    # Whether a tool call has been streamed for this choice.
+    called: bool = False
 
 
 class OpenAIServingChat:
-    def __init__(self, context: ServingContext) -> None:
+    def __init__(self, context: ServingContext, tools: ToolServing | None = None) -> None:
         self.context = context
+        self.tools = tools or ToolServing()
 
     async def create(self, raw_request: Request) -> Response:
         context = self.context
@@ -79,7 +92,8 @@ class OpenAIServingChat:
             )
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
-        messages = check_messages(request.messages)
+        tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
+        render = chat_render_from(request, tool_setup.tools)
         rename = {"logprobs": "top_logprobs", "prompt": "messages"}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
@@ -87,21 +101,22 @@ class OpenAIServingChat:
             rename["max_tokens"] = "max_completion_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = make_sampling_params(context, request, max_tokens, logprobs, rename)
+        if tool_setup.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    "tool_choice \"required\" or a named function cannot be combined with "
+                    "another output constraint (response_format, structured_outputs).",
+                    "tool_choice",
+                )
+            params.structured_outputs = tool_setup.structured_outputs
+            rename["structured_outputs"] = "tools"  # a tool schema the grammar cannot take
         processor = context.async_engine.engine.input_processor
-
-        def render():
-            return processor.render_chat(
-                messages,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
-
-        size = sum(len(m["content"] or "") for m in messages)
-        processed = await process_prompt(context, render, size, params, rename)
+        processed = await process_prompt(
+            context, lambda: render(processor), render.size_chars, params, rename
+        )
         request_id = new_request_id("chatcmpl")
         engine_request = EngineRequest(request_id, processed, params, time.monotonic())
-        run = _Run(context, request, engine_request)
+        run = _Run(context, request, engine_request, tool_setup.make_parser)
         if request.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
         response = await run_unless_disconnected(raw_request, run.collect())
@@ -110,54 +125,15 @@ class OpenAIServingChat:
         return Response(response.model_dump_json(), media_type="application/json")
 
 
-def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the template's {role, content: str} dicts; 400 naming `messages`."""
-    if not messages:
-        raise bad_request("messages must be a non-empty list.", "messages")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise bad_request(f"messages[{index}] must be an object.", "messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(
-                f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}.",
-                "messages",
-            )
-        content = _content_text(message.get("content"), index, role)
-        checked.append({**message, "content": content})
-    return checked
-
-
-def _content_text(content: Any, index: int, role: str) -> str | None:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return None
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise bad_request(
-                    f"messages[{index}].content: only text parts are supported, got {kind!r}.",
-                    "messages",
-                )
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: a text part needs 'text'.",
-                                  "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise bad_request(
-        f"messages[{index}].content must be a string or a list of text parts.", "messages"
-    )
-
-
 class _Run:
     """One chat request's engine request, turned into a response or a stream of chunks."""
 
     def __init__(
-        self, context: ServingContext, request: ChatCompletionRequest, engine_request: EngineRequest
+        self,
+        context: ServingContext,
+        request: ChatCompletionRequest,
+        engine_request: EngineRequest,
+        make_parser: Callable[[], ToolParser] | None,
     ) -> None:
         self.context = context
         self.request = request
@@ -165,7 +141,10 @@ class _Run:
         self.request_id = engine_request.request_id
         self.created = int(time.time())
         self.usage = PromptUsage(len(engine_request.prompt.prompt_token_ids))
-        self.choices = [_Choice() for _ in range(request.n)]
+        self.choices = [
+            _Choice(parser=None if make_parser is None else make_parser())
+            for _ in range(request.n)
+        ]
         self.num_top_logprobs = request.top_logprobs or 0
 
     async def _outputs(self) -> AsyncIterator[CompletionOutput]:
@@ -203,22 +182,23 @@ class _Run:
                 self.choices[completion.index].text.append(completion.text)
         except Exception as exc:
             raise engine_error_to_openai(exc) from None
+        choices = []
+        for index, choice in enumerate(self.choices):
+            message, finish_reason = _final_message(choice)
+            choices.append(ChatCompletionChoice(
+                index=index,
+                message=message,
+                logprobs=None if choice.logprobs is None else ChatChoiceLogprobs(
+                    content=choice.logprobs
+                ),
+                finish_reason=finish_reason,
+                stop_reason=choice.stop_reason,
+            ))
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.context.model_name,
-            choices=[
-                ChatCompletionChoice(
-                    index=index,
-                    message=ChatMessage(role="assistant", content="".join(choice.text)),
-                    logprobs=None if choice.logprobs is None else ChatChoiceLogprobs(
-                        content=choice.logprobs
-                    ),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-                for index, choice in enumerate(self.choices)
-            ],
+            choices=choices,
             usage=self._usage(),
         )
 
@@ -238,17 +218,23 @@ class _Run:
                 yield sse(self._chunk(ChatStreamChoice(index=index, delta=role)), exclude)
             async for completion in self._outputs():
                 entries = self._add(completion)
-                if (not completion.text and not completion.token_ids
-                        and completion.finish_reason is None):
-                    continue  # nothing new for the client (text held back at a UTF-8 split)
-                choice = ChatStreamChoice(
+                choice = self.choices[completion.index]
+                delta = _stream_delta(choice, completion)
+                finish_reason = completion.finish_reason
+                if choice.parser is not None:
+                    finish_reason = _tool_finish_reason(finish_reason, choice.called)
+                if delta is None:
+                    if finish_reason is None and not entries:
+                        continue  # nothing new for the client (text held back)
+                    delta = DeltaMessage()
+                chunk = ChatStreamChoice(
                     index=completion.index,
-                    delta=DeltaMessage(content=completion.text),
+                    delta=delta,
                     logprobs=None if entries is None else ChatChoiceLogprobs(content=entries),
-                    finish_reason=completion.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield sse(self._chunk(choice), exclude)
+                yield sse(self._chunk(chunk), exclude)
             if include_usage:
                 yield sse(ChatCompletionChunk(id=self.request_id, created=self.created,
                                               model=self.context.model_name, choices=[],
@@ -256,6 +242,61 @@ class _Run:
         except Exception as exc:
             yield sse(engine_error_body(exc))
         yield SSE_DONE
+
+
+def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    # A choice that stopped on its own after calling tools is waiting for their results.
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _final_message(choice: _Choice) -> tuple[ChatMessage, str | None]:
+    text = "".join(choice.text)
+    if choice.parser is None:
+        return ChatMessage(role="assistant", content=text), choice.finish_reason
+    extracted = choice.parser.extract(text)
+    calls = [
+        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in extracted.tool_calls
+    ]
+    message = ChatMessage(role="assistant", content=extracted.content, tool_calls=calls or None)
+    return message, _tool_finish_reason(choice.finish_reason, bool(calls))
+
+
+def _stream_delta(choice: _Choice, completion: CompletionOutput) -> DeltaMessage | None:
+    """What this output delta shows the client; None when there is nothing to show."""
+    if choice.parser is None:
+        if (not completion.text and not completion.token_ids
+                and completion.finish_reason is None):
+            return None
+        return DeltaMessage(content=completion.text)
+    update = choice.parser.feed(completion.text)
+    if completion.finish_reason is not None:
+        update.extend(choice.parser.finish())
+    if not update.content and not update.tool_calls:
+        return None
+    choice.called = choice.called or bool(update.tool_calls)
+    return DeltaMessage(content=update.content or None,
+                        tool_calls=_delta_tool_calls(update.tool_calls) or None)
+
+
+def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    """Parser deltas -> OpenAI's; consecutive pieces of one call travel as one entry."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        last = merged[-1] if merged else None
+        if last is not None and last.index == delta.index and delta.id is None:
+            last.arguments = (last.arguments or "") + (delta.arguments or "")
+        else:
+            merged.append(ToolCallDelta(delta.index, delta.id, delta.name, delta.arguments))
+    return [
+        DeltaToolCall(
+            index=delta.index,
+            id=delta.id,
+            type="function" if delta.id is not None else None,
+            function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments),
+        )
+        for delta in merged
+    ]
 
 
 def _chat_logprobs(completion: CompletionOutput, num_top: int) -> list[ChatTokenLogprob]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from octavo.core.sampling_params import SamplingParams
+from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import RequestOutput
@@ -50,7 +50,7 @@ _MIN_LOGPROB = -9999.0
 SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens",
-    "min_tokens", "logprobs", "ignore_eos", "prompt", "messages",
+    "min_tokens", "logprobs", "ignore_eos", "prompt", "messages", "structured_outputs",
 }
 
 
@@ -148,6 +148,7 @@ def make_sampling_params(
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=logit_bias,
+        structured_outputs=structured_outputs_params(context, request),
     )
     # Unset optional knobs keep SamplingParams' defaults (vLLM's), not None.
     optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=top_k,
@@ -157,6 +158,53 @@ def make_sampling_params(
         return SamplingParams(**fields)
     except ValueError as exc:
         raise from_value_error(exc, SAMPLING_FIELDS, rename) from None
+
+
+def structured_outputs_params(
+    context: ServingContext, request: Any
+) -> StructuredOutputsParams | None:
+    """`response_format` (chat) or vLLM's `structured_outputs` -> StructuredOutputsParams,
+    checked now (a bad schema, regex or grammar is a 400 naming the field the user set)."""
+    response_format = getattr(request, "response_format", None)
+    requested = request.structured_outputs
+    if response_format is not None and response_format.type != "text":
+        if requested is not None:
+            raise bad_request(
+                "response_format and structured_outputs cannot both be set.", "response_format"
+            )
+        param = "response_format"
+        if response_format.type == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise bad_request(
+                "response_format.json_schema.schema is required when type is 'json_schema'.",
+                param,
+            )
+        else:
+            params = StructuredOutputsParams(json=response_format.json_schema.schema_)
+    elif requested is not None:
+        param = "structured_outputs"
+        try:
+            params = StructuredOutputsParams(
+                json=requested.json_, regex=requested.regex, choice=requested.choice,
+                grammar=requested.grammar, json_object=requested.json_object,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+    else:
+        return None
+    manager = context.async_engine.engine.input_processor.structured_output
+    if manager is None:
+        raise bad_request(f"{param} is not supported by this server.", param)
+    try:
+        manager.validate(params)
+    except ValueError as exc:
+        message = str(exc)
+        if param == "response_format":
+            message = message.replace("structured_outputs.json_object", "response_format")
+            message = message.replace("structured_outputs.json", "response_format.json_schema")
+        raise bad_request(message, param) from None
+    return params
 
 
 async def process_prompt(

@@ -1,0 +1,143 @@
+"""Chat messages -> prompt tokens, rendered one way for /v1/chat/completions and /tokenize, so
+that a chat request's `prompt_tokens` equals the `count` /tokenize gives for the same body.
+
+Owns message checking (each error names `messages` and says which message is wrong) and the
+conversion of OpenAI messages into what chat templates expect: text parts joined, a missing
+assistant `content` as "" (templates concatenate it), and assistant `tool_calls` arguments
+parsed from their JSON text into objects (as Hugging Face templates expect, and vLLM does).
+
+Must not: tokenize on the event loop for large inputs (callers use `process_prompt`), or
+step the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
+from octavo.entrypoints.server.errors import bad_request, param_in_message
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Request fields a rendering error may be about (the first one its message names).
+_PARAMS = {"messages", "tools", "chat_template_kwargs", "continue_final_message",
+           "add_generation_prompt"}
+
+
+@dataclass(frozen=True)
+class ChatRender:
+    """Everything that decides a chat prompt's text; calling it renders and tokenizes."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    @property
+    def size_chars(self) -> int:
+        """A cheap measure of the work, to decide whether to render off the event loop."""
+        size = sum(len(m["content"]) for m in self.messages)
+        return size + (len(json.dumps(self.tools)) if self.tools else 0)
+
+    def __call__(self, processor: InputProcessor) -> ProcessedPrompt:
+        """Raises OpenAIError (400 naming the parameter) when the conversation cannot be
+        rendered or does not fit max_model_len."""
+        try:
+            return processor.render_chat(
+                self.messages,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                chat_template_kwargs=self.chat_template_kwargs,
+                tools=self.tools,
+                add_special_tokens=self.add_special_tokens,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            param = param_in_message(message, _PARAMS, {}) or "messages"
+            raise bad_request(message, param) from None
+
+
+def chat_render_from(request: Any, tools: list[dict[str, Any]] | None) -> ChatRender:
+    """The render of a chat completion or /tokenize body (they share these field names)."""
+    return ChatRender(
+        check_messages(request.messages),
+        tools=tools,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        chat_template_kwargs=request.chat_template_kwargs,
+        # /tokenize leaves it unset; chat defaults to False (the template writes BOS).
+        add_special_tokens=bool(request.add_special_tokens),
+    )
+
+
+def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the template's dicts; 400 naming `messages`."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list.", "messages")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise bad_request(f"messages[{index}] must be an object.", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(
+                f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}.",
+                "messages",
+            )
+        converted = {**message, "content": _content_text(message.get("content"), index, role)}
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad_request(f"messages[{index}]: only assistant messages have tool_calls.",
+                                  "messages")
+            converted["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        checked.append(converted)
+    return checked
+
+
+def _content_text(content: Any, index: int, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""  # a turn that only calls tools; templates test it with `if content`
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise bad_request(
+                    f"messages[{index}].content: only text parts are supported, got {kind!r}.",
+                    "messages",
+                )
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: a text part needs 'text'.",
+                                  "messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise bad_request(
+        f"messages[{index}].content must be a string or a list of text parts.", "messages"
+    )
+
+
+def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{index}].tool_calls must be a list.", "messages")
+    converted = []
+    for number, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{number}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where} needs function.name.", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise bad_request(f"{where}.function.arguments is not valid JSON.",
+                                  "messages") from None
+        converted.append({**call, "type": call.get("type", "function"),
+                          "function": {**function, "arguments": arguments}})
+    return converted

@@ -1,0 +1,171 @@
+"""StructuredOutputManager: compiles grammars off the step loop, caches them, fills masks.
+
+The engine's one handle on structured outputs:
+1) `validate(params)` before admission (any thread): a bad schema, regex or grammar is a
+   ValueError naming `structured_outputs`, so the request is refused before it is queued.
+2) `grammar_for(params)` at admission (engine thread): a per-request GuidanceGrammar whose
+   compilation runs in a background thread; requests with the same `params.key` share one
+   compilation (an LRU cache of `max_cached_grammars` entries).
+3) `grammar_bitmask(grammars)` each step (engine thread): one int32 token-mask row per
+   structured request that samples this step.
+
+The llguidance tokenizer is built on first use, so an engine that never sees a structured
+request never pays for it. Must not: know about scheduling (the scheduler decides who waits
+and who samples) or torch (the runner applies the mask).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import llguidance
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from octavo.core.request import RequestGrammar
+from octavo.core.sampling_params import StructuredOutputsParams
+from octavo.structured_output.backend import GuidanceBackend
+from octavo.structured_output.grammar import GuidanceGrammar
+
+logger = logging.getLogger(__name__)
+
+# Distinct compiled grammars kept; most deployments reuse a handful of schemas.
+DEFAULT_MAX_CACHED_GRAMMARS = 256
+# Compilation is mostly native code that drops the GIL; two threads keep one slow grammar
+# from delaying every other new schema without competing much with the step loop.
+_NUM_COMPILE_THREADS = 2
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_cached_grammars: int = DEFAULT_MAX_CACHED_GRAMMARS,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = tuple(eos_token_ids)
+        self.max_cached_grammars = max_cached_grammars
+        # Guards the lazy backend, the cache and the pending set: validate() runs on the
+        # server's event loop while grammar_for() runs on the engine thread.
+        self._lock = threading.Lock()
+        self._backend: GuidanceBackend | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        # Grammar specs that passed validation, by key: a repeated schema skips the check.
+        self._validated: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._pending: set[Future[llguidance.LLMatcher]] = set()
+        # Counters for benchmarks and tests: compilations started, and the step-loop time
+        # spent filling masks.
+        self.num_compiles = 0
+        self.bitmask_seconds = 0.0
+
+    @property
+    def backend(self) -> GuidanceBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = GuidanceBackend(
+                    self._tokenizer, self._vocab_size, self._eos_token_ids
+                )
+            return self._backend
+
+    # --- before admission -------------------------------------------------------------------
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError naming `structured_outputs.<kind>` if `params` cannot be compiled."""
+        self._validated_spec(params)
+
+    def _validated_spec(self, params: StructuredOutputsParams) -> str:
+        key = _cache_key(params)
+        with self._lock:
+            spec = self._validated.get(key)
+            if spec is not None:
+                self._validated.move_to_end(key)
+                return spec
+        spec = self.backend.validate(params)
+        with self._lock:
+            self._validated[key] = spec
+            while len(self._validated) > self.max_cached_grammars:
+                self._validated.popitem(last=False)
+        return spec
+
+    # --- admission --------------------------------------------------------------------------
+
+    def grammar_for(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+        """A new request's grammar: not ready until its compilation (shared by every request
+        with the same key, and cached) has finished in the background."""
+        key = _cache_key(params)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return GuidanceGrammar(compiled)
+        spec = self._validated_spec(params)
+        backend = self.backend
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    _NUM_COMPILE_THREADS, thread_name_prefix="octavo-grammar"
+                )
+            compiled = self._executor.submit(backend.compile, spec)
+            self.num_compiles += 1
+            self._pending.add(compiled)
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.max_cached_grammars:
+                # Requests holding an evicted grammar keep their future; only sharing ends.
+                self._compiled.popitem(last=False)
+        compiled.add_done_callback(self._discard_pending)
+        return GuidanceGrammar(compiled)
+
+    def _discard_pending(self, compiled: Future[llguidance.LLMatcher]) -> None:
+        with self._lock:
+            self._pending.discard(compiled)
+
+    def wait_for_pending(self, timeout_s: float) -> None:
+        """Block until a compilation finishes, at most `timeout_s`; returns at once when none
+        is running. For a step loop with nothing else to do, instead of spinning."""
+        with self._lock:
+            pending = set(self._pending)
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # --- each step --------------------------------------------------------------------------
+
+    def grammar_bitmask(self, grammars: Sequence[RequestGrammar]) -> np.ndarray:
+        """(len(grammars), ceil(vocab / 32)) int32, row i the tokens grammar i allows next.
+        Every grammar must be ready (the scheduler admits only those)."""
+        start = time.perf_counter()
+        matchers = []
+        for grammar in grammars:
+            if not isinstance(grammar, GuidanceGrammar):
+                raise TypeError(f"not a grammar of this manager: {grammar!r}")
+            matchers.append(grammar.matcher)
+        bitmask = self.backend.fill_bitmask(matchers)
+        self.bitmask_seconds += time.perf_counter() - start
+        return bitmask
+
+    def shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """`params.key`, with a schema given as JSON text canonicalised like a dict schema, so
+    that a client sending the same schema either way (or reordered) compiles it once."""
+    if params.kind == "json" and isinstance(params.json, str):
+        try:
+            schema = json.loads(params.json)
+        except ValueError:
+            return params.key  # validation reports it
+        return ("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    return params.key
