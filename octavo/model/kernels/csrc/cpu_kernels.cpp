@@ -36,18 +36,94 @@ namespace {
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+#ifdef OCTAVO_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place.
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 shuf = _mm_movehdup_ps(lo);
+  __m128 sums = _mm_add_ps(lo, shuf);
+  shuf = _mm_movehl_ps(shuf, sums);
+  return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
+}
+// exp for x <= 0 (softmax after subtracting the max): Cephes' range reduction to
+// 2^n * exp(r), |r| <= ln2 / 2, and its degree-5 polynomial; relative error ~2e-7.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+#endif
+
 // ---- paged decode attention -----------------------------------------------------------------
 
 template <typename cache_t>
 inline float dot(const float* q, const cache_t* k, int64_t d) {
+  int64_t i = 0;
   float acc = 0.f;
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(k[i]);
+#ifdef OCTAVO_AVX2
+  // Two accumulators: one FMA chain would wait on its own latency every step.
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a1);
+  }
+  for (; i + 8 <= d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+  acc = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < d; ++i) acc += q[i] * to_float(k[i]);
   return acc;
 }
 
 template <typename cache_t>
 inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_float(v[i]);
+  int64_t i = 0;
+#ifdef OCTAVO_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= d; i += 8) {
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(acc + i)));
+  }
+#endif
+  for (; i < d; ++i) acc[i] += p * to_float(v[i]);
+}
+
+// s[t] <- exp(s[t] - max_score) for t < n; returns their sum.
+inline float exp_shifted_sum(float* s, int64_t n, float max_score) {
+  int64_t t = 0;
+  float sum = 0.f;
+#ifdef OCTAVO_AVX2
+  const __m256 m = _mm256_set1_ps(max_score);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - max_score);
+    sum += s[t];
+  }
+  return sum;
 }
 
 template <typename cache_t>
@@ -75,50 +151,62 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // (group, seq_len), reused across the range
-    std::vector<float> acc;     // (group, head_dim)
+  // A work item is one sequence and a run of its kv heads: all of them when there are enough
+  // sequences to keep every thread busy, so each token's K/V row (all heads, contiguous) is
+  // read once while it is in cache; else one kv head, to spread a few long sequences.
+  const int64_t kv_per_item =
+      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_per_item;
+  const int64_t heads_per_item = kv_per_item * group;
+
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (heads_per_item, seq_len), reused across the range
+    std::vector<float> acc;     // (heads_per_item, head_dim)
+    std::vector<int64_t> row_offset(heads_per_item);  // query head -> its kv head in a row
+    for (int64_t h = 0; h < heads_per_item; ++h) row_offset[h] = (h / group) * head_dim;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+      const int64_t seq = item / items_per_seq;
+      const int64_t kv_first = (item % items_per_seq) * kv_per_item;
       const int64_t seq_len = lens[seq];
       const int32_t* blocks = table + seq * max_blocks;
-      const float* q = q_base + (seq * num_heads + kv_head * group) * head_dim;
-      scores.resize(group * seq_len);
-      // Scores: each key row is read once and used for every query head of its group.
-      for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
-                             t % block_size;
-        const cache_t* k = k_base + slot * slot_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          scores[g * seq_len + t] = dot(q + g * head_dim, k, head_dim) * fscale;
+      const float* q = q_base + (seq * num_heads + kv_first * group) * head_dim;
+      scores.resize(heads_per_item * seq_len);
+      // Scores, block by block (no division per token: a block's rows are contiguous slots);
+      // each key row is read once for every query head it serves.
+      for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+        const int64_t n = std::min(block_size, seq_len - start);
+        const cache_t* k = k_base + static_cast<int64_t>(blocks[b]) * block_size * slot_stride +
+                           kv_first * head_dim;
+        for (int64_t o = 0; o < n; ++o, k += slot_stride) {
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            scores[h * seq_len + start + o] =
+                dot(q + h * head_dim, k + row_offset[h], head_dim) * fscale;
+          }
         }
       }
       // Softmax per head, in float32.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * seq_len;
+      for (int64_t h = 0; h < heads_per_item; ++h) {
+        float* s = scores.data() + h * seq_len;
         float max_score = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < seq_len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / exp_shifted_sum(s, seq_len, max_score);
         for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
       }
-      // Weighted values, again one read of each value row for the whole group.
-      acc.assign(group * head_dim, 0.f);
-      for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
-                             t % block_size;
-        const cache_t* v = v_base + slot * slot_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          axpy(acc.data() + g * head_dim, scores[g * seq_len + t], v, head_dim);
+      // Weighted values, again one read of each value row for all its heads.
+      acc.assign(heads_per_item * head_dim, 0.f);
+      for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+        const int64_t n = std::min(block_size, seq_len - start);
+        const cache_t* v = v_base + static_cast<int64_t>(blocks[b]) * block_size * slot_stride +
+                           kv_first * head_dim;
+        for (int64_t o = 0; o < n; ++o, v += slot_stride) {
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            axpy(acc.data() + h * head_dim, scores[h * seq_len + start + o], v + row_offset[h],
+                 head_dim);
+          }
         }
       }
-      float* o = out_base + (seq * num_heads + kv_head * group) * head_dim;
-      std::copy(acc.begin(), acc.end(), o);
+      float* out_row = out_base + (seq * num_heads + kv_first * group) * head_dim;
+      std::copy(acc.begin(), acc.end(), out_row);
     }
   });
 }
@@ -137,23 +225,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 // ---- small-M linear -------------------------------------------------------------------------
 
-#ifdef OCTAVO_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place.
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
-}
-#endif
 
 constexpr int64_t kRowsPerTile = 4;  // rows of x sharing each weight load
 
