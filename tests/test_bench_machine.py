@@ -15,7 +15,9 @@ def test_bench_machine_ends_with_consistent_json(capsys) -> None:
     bandwidth = result["copy_bandwidth_gb_s"]
     assert bandwidth > 0 and result["float32_gflops_rows512"] > 0
     # batch 1: bandwidth / (params x 4 bytes); large batch: GFLOP/s / (2 x decoder params)
-    assert abs(result["float32_batch1_tokens_per_s_ceiling"] - bandwidth * 1e9 / 4e8) <= 0.1
+    # The JSON holds bandwidth rounded to 0.1 GB/s (0.05 x 2.5 = 0.125 tok/s here) and the
+    # ceiling rounded to 0.1 (0.05).
+    assert abs(result["float32_batch1_tokens_per_s_ceiling"] - bandwidth * 1e9 / 4e8) <= 0.2
     expected_large = result["float32_gflops_rows512"] * 1e9 / (2 * 8e7)
     # The JSON holds GFLOP/s rounded to 0.1 (up to 0.05 x 1e9 / 1.6e8 = 0.31 tok/s here).
     assert abs(result["float32_large_batch_tokens_per_s_ceiling"] - expected_large) <= 0.4

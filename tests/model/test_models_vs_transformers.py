@@ -186,16 +186,20 @@ def test_kv_cache_layout_and_size():
     assert kv_cache_bytes_per_token(config, torch.float32) == 512
 
 
-def test_attention_metadata_derives_plan_from_runner_fields():
-    block_table = torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32)
-    metadata = AttentionMetadata(
+def _mixed_metadata(paged_decode: bool) -> AttentionMetadata:
+    """Decodes (requests 0 and 2) around a fresh 3-token prompt (request 1), block size 4."""
+    return AttentionMetadata(
         query_start_loc=[0, 1, 4, 5],
         seq_lens=[6, 3, 9],
         slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
-        block_table=block_table,
+        block_table=torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32),
         block_size=4,
-        paged_decode=False,
+        paged_decode=paged_decode,
     )
+
+
+def test_attention_metadata_derives_plan_from_runner_fields():
+    metadata = _mixed_metadata(paged_decode=False)
     assert metadata.query_lens == [1, 3, 1]
     assert (metadata.num_reqs, metadata.num_tokens) == (3, 5)
     assert (metadata.max_query_len, metadata.max_seq_len) == (3, 9)
@@ -216,16 +220,7 @@ def test_attention_metadata_derives_plan_from_runner_fields():
 
 
 def test_attention_metadata_plans_kernel_decodes_without_gather_indices():
-    block_table = torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        query_start_loc=[0, 1, 4, 5],
-        seq_lens=[6, 3, 9],
-        slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
-        block_table=block_table,
-        block_size=4,
-        paged_decode=True,
-    )
-    decode = metadata.decode
+    decode = _mixed_metadata(paged_decode=True).decode
     assert decode.req_idx == [0, 2] and decode.token_idx.tolist() == [0, 4]
     assert decode.block_table.dtype == torch.int32 and decode.block_table.is_contiguous()
     assert decode.block_table.tolist() == [[3, 1, 0], [4, 5, 6]]
