@@ -54,12 +54,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0, got "
-                f"{self.long_prefill_token_threshold}."
-            )
-        _check_admission(self.admission, self.watermark, self.preempt_victim)
+        _check_scheduling(
+            self.admission, self.watermark, self.preempt_victim, self.long_prefill_token_threshold
+        )
 
 
 @dataclass(frozen=True)
@@ -116,21 +113,26 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0, got "
-                f"{self.long_prefill_token_threshold}."
-            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")
-        _check_admission(self.admission, self.watermark, self.preempt_victim)
+        _check_scheduling(
+            self.admission, self.watermark, self.preempt_victim, self.long_prefill_token_threshold
+        )
 
 
-def _check_admission(admission: str, watermark: float, preempt_victim: str | None) -> None:
+def _check_scheduling(
+    admission: str, watermark: float, preempt_victim: str | None,
+    long_prefill_token_threshold: int,
+) -> None:
+    """The scheduler knobs EngineArgs and SchedulerConfig share, checked the same way."""
+    if long_prefill_token_threshold < 0:
+        raise ValueError(
+            f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}."
+        )
     if admission not in ADMISSION_POLICIES:
         raise ValueError(
             f"admission must be one of {', '.join(ADMISSION_POLICIES)}; got {admission!r}."
