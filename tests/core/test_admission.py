@@ -30,13 +30,10 @@ from .utils import (
     create_requests,
     create_scheduler,
     fake_runner_output,
+    ids,
     make_request,
     step,
 )
-
-
-def ids(requests) -> list[str]:
-    return [request.request_id for request in requests]
 
 
 def with_output(request: Request, num_output_tokens: int) -> Request:

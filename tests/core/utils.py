@@ -34,6 +34,11 @@ def create_scheduler(
     )
 
 
+def ids(requests) -> list[str]:
+    """The request ids of a queue or list, in order."""
+    return [request.request_id for request in requests]
+
+
 def make_request(
     request_id: str,
     prompt_token_ids: list[int],
