@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """(n, hidden) -> (n, vocab_size) float32. Call it only on the rows that are sampled."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden_states, head.weight, None, head.compact_weight).float()
+        return linear(hidden_states, head.weight, None, head.packed_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the model. Raises ValueError naming an

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.model import kernels
-from octavo.model.layers.linear import Linear, attach_compact_weights, exact_bfloat16, linear
+from octavo.model.layers.linear import Linear, attach_packed_weights, linear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 
@@ -53,63 +53,84 @@ def test_paged_decode_attention_of_one_key_is_its_value():
         torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_m_linear_matches_reference(rows, n, k, dtype):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536), (16, 1)])
+@pytest.mark.parametrize("exact_bf16", [False, True])
+def test_packed_linear_matches_reference(rows, n, k, exact_bf16):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen)
-    weight = torch.randn(n, k, generator=gen).to(dtype)
-    out = kernels.small_m_linear(x, weight)
+    weight = torch.randn(n, k, generator=gen)
+    if exact_bf16:
+        weight = weight.bfloat16().float()
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.dtype == (torch.bfloat16 if exact_bf16 else torch.float32)
+    assert packed.shape == (-(-n // kernels.PANEL), k, kernels.PANEL)
+    # Packing loses nothing: the packed copy unpacks to the weight, bit for bit.
+    assert torch.equal(kernels.unpack_linear_weight(packed, n).float(), weight)
+    out = kernels.packed_linear(x, packed, n)
     assert out.shape == (rows, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out, kernels.small_m_linear_reference(x, weight),
+    expected = F.linear(x.double(), weight.double()).float()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(kernels.packed_linear_reference(x, packed, n), expected,
                                atol=1e-4, rtol=1e-5)
+
+
+def test_packed_linear_reads_strided_rows_and_large_batches():
+    # More rows than one chunk of x (the kernel splits rows into chunks that fit in cache).
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 2048, generator=gen)
+    x = torch.randn(200, 2048, generator=gen)
+    out = kernels.packed_linear(x, kernels.pack_linear_weight(weight), 40)
+    torch.testing.assert_close(out, F.linear(x.double(), weight.double()).float(),
+                               atol=1e-3, rtol=1e-5)
 
 
 def test_linear_routes_by_rows_and_keeps_results():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 40, generator=gen).bfloat16().float()
-    compact = weight.bfloat16()
+    packed = kernels.pack_linear_weight(weight)
     bias = torch.randn(48, generator=gen)
-    few = torch.randn(kernels.SMALL_M_MAX_ROWS, 40, generator=gen)
-    many = torch.randn(kernels.SMALL_M_MAX_ROWS + 1, 40, generator=gen)
-    assert kernels.use_small_m_linear(few, compact)
-    assert not kernels.use_small_m_linear(many, compact)
-    # float32 weights stay with torch's GEMM (as fast there); the kernel is for bf16 bytes.
-    assert not kernels.use_small_m_linear(few, weight)
+    few = torch.randn(kernels.PACKED_MAX_ROWS, 40, generator=gen)
+    many = torch.randn(kernels.PACKED_MAX_ROWS + 1, 40, generator=gen)
+    assert kernels.use_packed_linear(few, packed)
+    assert not kernels.use_packed_linear(many, packed)
+    assert not kernels.use_packed_linear(few, None)
     for x in (few, many):
-        torch.testing.assert_close(linear(x, weight, bias, compact), F.linear(x, weight, bias),
+        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias),
                                    atol=1e-5, rtol=1e-5)
     # A bf16 input comes back in bf16 from either path.
-    assert linear(few.bfloat16(), compact).dtype == torch.bfloat16
+    assert linear(few.bfloat16(), weight.bfloat16(), None, packed).dtype == torch.bfloat16
 
 
-def test_compact_weight_only_when_lossless():
+def test_packed_weights_are_bf16_only_when_lossless():
     exact = torch.randn(16, 8).bfloat16().float()
-    assert torch.equal(exact_bfloat16(exact).float(), exact)
     inexact = exact.clone()
     inexact[3, 5] += 1e-4
-    assert exact_bfloat16(inexact) is None
-    assert exact_bfloat16(exact.bfloat16()) is None  # already bf16: nothing to add
-
     layer, other = Linear(8, 16, bias=False), Linear(8, 16, bias=False)
     with torch.no_grad():
         layer.weight.copy_(exact)
         other.weight.copy_(inexact)
     model = torch.nn.Sequential(layer, other)
-    assert attach_compact_weights(model) == 1
-    assert layer.compact_weight.dtype == torch.bfloat16 and other.compact_weight is None
+    assert attach_packed_weights(model) == (2, 1, 16 * 8 * 2 + 16 * 8 * 4)
+    assert layer.packed_weight.dtype == torch.bfloat16
+    assert other.packed_weight.dtype == torch.float32
+    assert kernels.pack_linear_weight(exact.half()) is None  # no kernel for fp16 weights
     x = torch.randn(2, 8)
-    # The compact copy holds the same numbers, so the layer's output is what fp32 gives.
+    # Either copy holds the weight's numbers, so outputs are what fp32 gives.
     torch.testing.assert_close(layer(x), F.linear(x, exact), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(other(x), F.linear(x, inexact), atol=1e-5, rtol=1e-5)
 
 
 def test_disabled_kernels_fall_back(monkeypatch):
+    weight = torch.randn(8, 8)
+    packed = kernels.pack_linear_weight(weight)
     monkeypatch.setitem(kernels._state, "ok", False)
-    weight = torch.randn(8, 8).bfloat16()
-    assert not kernels.use_small_m_linear(torch.randn(1, 8), weight)
-    torch.testing.assert_close(linear(torch.ones(1, 8), weight.float()),
-                               F.linear(torch.ones(1, 8), weight.float()))
+    assert not kernels.use_packed_linear(torch.randn(1, 8), packed)
+    torch.testing.assert_close(linear(torch.ones(1, 8), weight, None, packed),
+                               F.linear(torch.ones(1, 8), weight))
+    layer = Linear(8, 8, bias=False)
+    assert attach_packed_weights(torch.nn.Sequential(layer)) == (0, 0, 0)
+    assert layer.packed_weight is None
 
 
 def test_fused_rms_norm_matches_torch_and_consumes_inputs():

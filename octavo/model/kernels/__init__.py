@@ -3,8 +3,9 @@
 Two operators for decode-sized work where general libraries waste the CPU:
 - `paged_decode_attention`: one query token per request attends over its blocks in place (no
   gather of the context into a padded copy, no padding to the longest request);
-- `small_m_linear`: x @ W^T for a few rows, reading each weight once for all rows; the weight
-  may be float32 or bfloat16 (half the bytes; widened in registers, accumulated in float32).
+- `packed_linear`: x @ W^T for decode-sized batches (up to PACKED_MAX_ROWS rows) from a copy of
+  W packed at load time into panels of 16 columns that each thread streams contiguously, in
+  bfloat16 where that is lossless (half the bytes; widened in registers, accumulated in float32).
 And two that fold a chain of elementwise torch ops into one pass, in place: RMSNorm with its
 residual add (`rms_norm_`) and rotary embedding (`rotary_`). Their callers keep the torch code
 as the fallback, and the tests compare both.
@@ -32,8 +33,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-# Rows up to which small_m_linear beats the BLAS GEMM on a CPU (measured: BENCHMARKS.md).
-SMALL_M_MAX_ROWS = 8
+# Rows up to which packed_linear beats torch's GEMM on a CPU (measured: BENCHMARKS.md).
+PACKED_MAX_ROWS = 64
 
 _state: dict[str, object] = {}
 
@@ -118,32 +119,64 @@ def paged_decode_attention_reference(
     return out
 
 
-# --- small-M linear -----------------------------------------------------------------------------
+# --- packed linear ------------------------------------------------------------------------------
+
+PANEL = 16  # output columns per packed panel (the kernel's vector width x 2)
+# bf16 panels hold their columns in this order, so one 32-byte load widens to two float32
+# vectors (columns 0-7 and 8-15) with a shift and a mask.
+_BF16_PANEL_ORDER = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
 
 
-def small_m_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x: (m, k) any float dtype; weight: (n, k) float32 or bfloat16, contiguous. Returns
+def pack_linear_weight(weight: Tensor) -> Tensor | None:
+    """The weight (n, k) of a CPU linear layer packed for `packed_linear`: shape
+    (ceil(n / 16), k, 16), panel p holding output columns 16p..16p+15 (zero rows pad n). In
+    bfloat16 (half the bytes) when every value is exactly a bf16 number, which keeps the results
+    of float32 compute unchanged; else float32. None for other dtypes or devices."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    weight = weight.detach()
+    n, k = weight.shape
+    compact = weight.to(torch.bfloat16)
+    exact = weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
+    source = compact if exact else weight
+    num_panels = -(-n // PANEL)
+    padded = source.new_zeros(num_panels * PANEL, k)
+    padded[:n] = source
+    panels = padded.view(num_panels, PANEL, k)
+    if exact:
+        panels = panels[:, _BF16_PANEL_ORDER]
+    return panels.transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight(packed: Tensor, n: int) -> Tensor:
+    """The (n, k) weight a packed one holds, in the packed dtype (the inverse of packing)."""
+    panels = packed.transpose(1, 2)
+    if packed.dtype == torch.bfloat16:
+        panels = panels[:, torch.argsort(torch.tensor(_BF16_PANEL_ORDER))]
+    return panels.reshape(-1, packed.shape[1])[:n]
+
+
+def packed_linear(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    """x: (m, k) any float dtype; packed: from `pack_linear_weight` of an (n, k) weight. Returns
     x @ weight^T as (m, n) float32."""
     x = x.float().contiguous()
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
-    torch.ops.octavo.small_m_linear(out, x, weight)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    torch.ops.octavo.packed_linear(out, x, packed, n)
     return out
 
 
-def small_m_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(x.float(), weight.float())
+def packed_linear_reference(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    return F.linear(x.float(), unpack_linear_weight(packed, n).float())
 
 
-def use_small_m_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether the kernel takes this matmul: a CPU tensor with few rows and a bf16 weight."""
-    # Only bf16 weights: with float32 ones MKL's GEMV/GEMM is as fast or faster here (measured
-    # on a quiet machine); the kernel's gain is reading half the bytes.
+def use_packed_linear(x: Tensor, packed: Tensor | None) -> bool:
+    """Whether the kernel takes this matmul: a CPU batch of at most PACKED_MAX_ROWS rows and a
+    packed weight. Above that torch's GEMM is faster (BENCHMARKS.md, CPU kernels)."""
     return (
-        x.dim() == 2
-        and x.shape[0] <= SMALL_M_MAX_ROWS
+        packed is not None
+        and x.dim() == 2
+        and x.shape[0] <= PACKED_MAX_ROWS
         and x.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.is_contiguous()
         and available()
     )
 

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 
 class VocabEmbedding(nn.Module):
-    # A lossless bf16 copy for tied output projections (see layers/linear.py).
-    compact_weight: Tensor | None = None
+    # The weight packed for tied output projections' decode matmuls (see layers/linear.py).
+    packed_weight: Tensor | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()

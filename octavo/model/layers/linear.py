@@ -1,10 +1,12 @@
 """Linear layers: the matmul every projection goes through, and PackedLinear.
 
-`linear()` sends a decode-sized batch (a few rows) on a CPU to the small-M kernel, which reads
-each weight once for all rows; BLAS GEMMs run far below memory bandwidth there. Larger batches go
-to torch's GEMM. A weight whose float32 values are all exact bfloat16 numbers (a checkpoint
-stored in bf16, loaded for fp32 compute) also gets a bf16 copy, `compact_weight`, that the
-kernel reads instead: the same numbers in half the bytes, so the result does not change.
+`linear()` sends a decode-sized batch (up to kernels.PACKED_MAX_ROWS rows) on a CPU to the
+packed-panel kernel, reading `packed_weight`, a copy of the weight laid out once at load time
+(`attach_packed_weights`) in panels each thread streams contiguously; BLAS GEMMs run far below
+memory bandwidth at these sizes. The copy is bfloat16 where every value of the weight is an
+exact bf16 number (a checkpoint stored in bf16, loaded for fp32 compute): the same numbers in
+half the bytes, so results do not change. Larger batches (prefill) go to torch's GEMM on
+`weight`.
 
 PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
 replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping
@@ -22,44 +24,42 @@ from octavo.model import kernels
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, compact_weight: Tensor | None = None
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, packed_weight: Tensor | None = None
 ) -> Tensor:
     """x: (num_tokens, in) -> (num_tokens, out) in x's dtype."""
-    small = compact_weight if compact_weight is not None else weight
-    if kernels.use_small_m_linear(x, small):
-        out = kernels.small_m_linear(x, small)
+    if kernels.use_packed_linear(x, packed_weight):
+        out = kernels.packed_linear(x, packed_weight, weight.shape[0])
         if bias is not None:
             out += bias
         return out.to(x.dtype)
     return F.linear(x, weight, bias)
 
 
-def exact_bfloat16(weight: Tensor) -> Tensor | None:
-    """A bfloat16 copy of a float32 weight if every value survives the round trip, else None."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
-    compact = weight.detach().to(torch.bfloat16)
-    return compact if torch.equal(compact.float(), weight) else None
-
-
-def attach_compact_weights(model: nn.Module) -> int:
-    """Give every Linear (and a tied embedding) whose weight is exactly bf16-representable its
-    bf16 copy. Call once after loading; returns how many weights got one."""
-    count = 0
+def attach_packed_weights(model: nn.Module) -> tuple[int, int, int]:
+    """Give every Linear (and a tied embedding, which has a `packed_weight` slot) its packed
+    copy, when the CPU kernels are available. Call once after loading. Returns (weights
+    packed, how many of them in bfloat16, bytes the copies take)."""
+    count = num_bf16 = nbytes = 0
     for module in model.modules():
-        if isinstance(module, Linear) or hasattr(module, "compact_weight"):
-            module.compact_weight = exact_bfloat16(module.weight)
-            count += module.compact_weight is not None
-    return count
+        if isinstance(module, Linear) or hasattr(module, "packed_weight"):
+            packed = None
+            if kernels.available() and module.weight.device.type == "cpu":
+                packed = kernels.pack_linear_weight(module.weight)
+            module.packed_weight = packed
+            if packed is not None:
+                count += 1
+                num_bf16 += packed.dtype == torch.bfloat16
+                nbytes += packed.numel() * packed.element_size()
+    return count, num_bf16, nbytes
 
 
 class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear()`."""
 
-    compact_weight: Tensor | None = None
+    packed_weight: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.compact_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class PackedLinear(Linear):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from octavo.model.config import ModelConfig
-from octavo.model.layers.linear import attach_compact_weights
+from octavo.model.layers.linear import attach_packed_weights
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import (
     find_default_model,
@@ -63,10 +63,11 @@ def load_model(
         raise
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    num_compact = attach_compact_weights(model)
-    if num_compact:
-        logger.info("%d weights are exact in bfloat16: decode matmuls read them in half the "
-                    "bytes", num_compact)
+    num_packed, num_bf16, packed_bytes = attach_packed_weights(model)
+    if num_packed:
+        logger.info("packed %d weights for decode-sized matmuls (%.0f MiB more; %d of them in "
+                    "bfloat16, which holds their values exactly)", num_packed,
+                    packed_bytes / 2**20, num_bf16)
     num_params = sum(param.numel() for param in model.parameters())
     logger.info(
         "loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s", path, config.architecture,

@@ -2,9 +2,9 @@
 //
 //  - paged_decode_attention: one query token per request attends to its keys and values where
 //    they lie in the paged cache, block by block, with no gather into a padded copy;
-//  - small_m_linear: out = x @ W^T for a handful of rows (M <= ~16), where BLAS GEMMs run far
-//    below memory bandwidth. Every weight is read from memory once and used for all M rows; the
-//    weight may be float32 or bfloat16 (widened to float32 in registers, accumulation in fp32).
+//  - packed_linear: out = x @ W^T for decode-sized batches (up to a few dozen rows), where BLAS
+//    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels of
+//    16 columns (float32, or bfloat16 widened in registers; accumulation in fp32).
 //
 // Beside them, RMSNorm (with the residual add) and rotary embedding in place, one pass each over
 // the data instead of the half-dozen elementwise ops (and temporaries) they take in torch, which
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -223,94 +224,175 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   }
 }
 
-// ---- small-M linear -------------------------------------------------------------------------
+// ---- packed linear ----------------------------------------------------------------------------
+//
+// out = x @ W^T for decode-sized batches (up to a few dozen rows), from a copy of W packed once at
+// load time into panels of 16 output columns:
+//
+//   packed[p][k][j] = W[16 * p + j][k]     (N padded to a multiple of 16 with zero rows)
+//
+// so a thread streams its panels as one contiguous run of memory, and for each k the 16 weights
+// of a panel are two vector loads that every row of x reuses (a broadcast of x[m][k] and two
+// FMAs per row). bfloat16 panels hold the same columns in the order 0,8,1,9,...,7,15, so that
+// one 32-byte load widens to float32 with a shift (columns 0-7) and a mask (columns 8-15).
+// Accumulation is in float32 in both cases.
 
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 6;  // rows of x per register tile: 12 accumulators + 2 weights + x
 
-constexpr int64_t kRowsPerTile = 4;  // rows of x sharing each weight load
+// Position of column j of a panel in its packed row.
+inline int64_t panel_slot(int64_t j, bool bf16) { return bf16 ? (j < 8 ? 2 * j : 2 * (j - 8) + 1) : j; }
 
 #ifdef OCTAVO_AVX2
-// ROWS rows of x times weight rows n and n + 1, over the vectorised part of K. ROWS is a
-// template argument so the accumulators stay in registers (a runtime bound spills them).
-template <int ROWS, typename weight_t>
-inline void tile_2cols(const float* x, const weight_t* w0, const weight_t* w1, float* out,
-                       int64_t k_dim, int64_t k_vec, int64_t n_dim, int64_t n) {
-  __m256 acc0[ROWS], acc1[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    acc0[r] = _mm256_setzero_ps();
-    acc1[r] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < k_vec; k += 8) {
-    const __m256 a = load8(w0 + k);
-    const __m256 b = load8(w1 + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k_dim + k);
-      acc0[r] = _mm256_fmadd_ps(a, xv, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(b, xv, acc1[r]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    float s0 = hsum(acc0[r]), s1 = hsum(acc1[r]);
-    const float* xr = x + r * k_dim;
-    for (int64_t k = k_vec; k < k_dim; ++k) {
-      s0 += xr[k] * to_float(w0[k]);
-      s1 += xr[k] * to_float(w1[k]);
-    }
-    out[r * n_dim + n] = s0;
-    out[r * n_dim + n + 1] = s1;
-  }
+inline void load_panel(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
 }
-#endif
+inline void load_panel(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(
+      _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
-template <typename weight_t>
-void small_m_linear_cols(const float* x, const weight_t* w, float* out, int64_t m_rows,
-                         int64_t k_dim, int64_t n_dim, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-#ifdef OCTAVO_AVX2
-  const int64_t k_vec = k_dim - k_dim % 8;
-  for (; n + 2 <= n_end; n += 2) {
-    const weight_t* w0 = w + n * k_dim;
-    const weight_t* w1 = w0 + k_dim;
-    // The two weight rows stay in L1 while every tile of x passes over them.
-    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile) {
-      const float* xt = x + m0 * k_dim;
-      float* ot = out + m0 * n_dim;
-      switch (std::min(kRowsPerTile, m_rows - m0)) {
-        case 1: tile_2cols<1>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
-        case 2: tile_2cols<2>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
-        case 3: tile_2cols<3>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
-        default: tile_2cols<4>(xt, w0, w1, ot, k_dim, k_vec, n_dim, n); break;
+// Row r of the tile times the panel's weights b0/b1 at depth kk, into c<r>0 / c<r>1.
+#define OCTAVO_TILE_ROW(r, kk)                               \
+  if constexpr (MR > r) {                                    \
+    const __m256 xb = _mm256_broadcast_ss(x##r + (kk));      \
+    c##r##0 = _mm256_fmadd_ps(b0, xb, c##r##0);              \
+    c##r##1 = _mm256_fmadd_ps(b1, xb, c##r##1);              \
+  }
+
+// MR rows of x against one panel over all of K. The accumulators are named variables, not an
+// array: compilers keep an array of vectors this size in memory and store it every iteration.
+template <int MR, typename weight_t>
+inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int64_t k_dim,
+                        float* out, int64_t ldo, int64_t n_valid) {
+  static_assert(MR >= 1 && MR <= kTileRows, "rows per tile");
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+         c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  // One pointer per row keeps the inner loop's addressing to base + index.
+  const float* x0 = x;
+  const float* x1 = x + (MR > 1 ? 1 : 0) * ldx;
+  const float* x2 = x + (MR > 2 ? 2 : 0) * ldx;
+  const float* x3 = x + (MR > 3 ? 3 : 0) * ldx;
+  const float* x4 = x + (MR > 4 ? 4 : 0) * ldx;
+  const float* x5 = x + (MR > 5 ? 5 : 0) * ldx;
+  int64_t k = 0;
+  if constexpr (MR <= 2) {
+    // One or two rows make too few independent FMA chains to hide their latency: the odd
+    // depths go to a second set of accumulators (c2*, c3*), added in at the end.
+    for (; k + 2 <= k_dim; k += 2) {
+      __m256 b0, b1;
+      load_panel(panel + k * kPanel, b0, b1);
+      OCTAVO_TILE_ROW(0, k)
+      OCTAVO_TILE_ROW(1, k)
+      load_panel(panel + (k + 1) * kPanel, b0, b1);
+      const __m256 xa = _mm256_broadcast_ss(x0 + k + 1);
+      c20 = _mm256_fmadd_ps(b0, xa, c20);
+      c21 = _mm256_fmadd_ps(b1, xa, c21);
+      if constexpr (MR > 1) {
+        const __m256 xb = _mm256_broadcast_ss(x1 + k + 1);
+        c30 = _mm256_fmadd_ps(b0, xb, c30);
+        c31 = _mm256_fmadd_ps(b1, xb, c31);
       }
     }
   }
-#endif
-  for (; n < n_end; ++n) {
-    const weight_t* wn = w + n * k_dim;
-    for (int64_t m = 0; m < m_rows; ++m) {
-      const float* xr = x + m * k_dim;
-      float s = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) s += xr[k] * to_float(wn[k]);
-      out[m * n_dim + n] = s;
+  for (; k < k_dim; ++k) {
+    __m256 b0, b1;
+    load_panel(panel + k * kPanel, b0, b1);
+    OCTAVO_TILE_ROW(0, k)
+    OCTAVO_TILE_ROW(1, k)
+    OCTAVO_TILE_ROW(2, k)
+    OCTAVO_TILE_ROW(3, k)
+    OCTAVO_TILE_ROW(4, k)
+    OCTAVO_TILE_ROW(5, k)
+  }
+  if constexpr (MR <= 2) {
+    c00 = _mm256_add_ps(c00, c20);
+    c01 = _mm256_add_ps(c01, c21);
+    c10 = _mm256_add_ps(c10, c30);
+    c11 = _mm256_add_ps(c11, c31);
+  }
+  const __m256 acc[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                    {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + r * ldo;
+    if (n_valid == kPanel) {
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[kPanel];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::copy(tmp, tmp + n_valid, o);
     }
   }
 }
+#undef OCTAVO_TILE_ROW
+#endif
 
-void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight) {
-  // x: (M, K) float32; weight: (N, K) float32 or bfloat16; out: (M, N) float32.
-  const int64_t m_rows = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
+// `rows` rows of x against one panel: full tiles, then one tile for the remainder.
+template <typename weight_t>
+void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_dim, float* out,
+                 int64_t ldo, int64_t n_valid, int64_t rows) {
+#ifdef OCTAVO_AVX2
+  int64_t m = 0;
+  for (; m + kTileRows <= rows; m += kTileRows) {
+    packed_tile<kTileRows>(x + m * ldx, ldx, panel, k_dim, out + m * ldo, ldo, n_valid);
+  }
+  const float* xr = x + m * ldx;
+  float* orow = out + m * ldo;
+  switch (rows - m) {
+    case 1: packed_tile<1>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 2: packed_tile<2>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 3: packed_tile<3>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 4: packed_tile<4>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 5: packed_tile<5>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    default: break;
+  }
+#else
+  constexpr bool bf16 = std::is_same_v<weight_t, c10::BFloat16>;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < n_valid; ++j) {
+      const weight_t* w = panel + panel_slot(j, bf16);
+      float s = 0.f;
+      for (int64_t k = 0; k < k_dim; ++k) s += x[m * ldx + k] * to_float(w[k * kPanel]);
+      out[m * ldo + j] = s;
+    }
+  }
+#endif
+}
+
+template <typename weight_t>
+void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                        int64_t n_dim) {
+  // x: (M, K) float32; packed: (ceil(N / 16), K, 16); out: (M, N) float32.
+  const int64_t m_rows = x.size(0), k_dim = x.size(1), num_panels = packed.size(0);
   const float* xp = x.data_ptr<float>();
+  const weight_t* wp = packed.data_ptr<weight_t>();
   float* op = out.data_ptr<float>();
-  // Grain: enough outputs per task that a task streams a few hundred KB of weights.
-  const int64_t grain = std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(k_dim, 1));
-  if (weight.scalar_type() == at::kBFloat16) {
-    const auto* wp = weight.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, n_dim, grain, [&](int64_t b, int64_t e) {
-      small_m_linear_cols(xp, wp, op, m_rows, k_dim, n_dim, b, e);
-    });
+  // Rows per chunk: a chunk of x (~256 KB) stays in L2 while the panels pass over it.
+  const int64_t chunk =
+      std::max<int64_t>(kTileRows, (65536 / std::max<int64_t>(k_dim, 1)) / kTileRows * kTileRows);
+  const int64_t num_chunks = (m_rows + chunk - 1) / chunk;
+  // Work item = (chunk of rows, panel); threads take contiguous runs of panels.
+  at::parallel_for(0, num_chunks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item / num_panels, p = item % num_panels;
+      const int64_t m0 = c * chunk, n0 = p * kPanel;
+      packed_rows(xp + m0 * k_dim, k_dim, wp + p * k_dim * kPanel, k_dim, op + m0 * n_dim + n0,
+                  n_dim, std::min(kPanel, n_dim - n0), std::min(chunk, m_rows - m0));
+    }
+  });
+}
+
+void packed_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                   int64_t n_dim) {
+  if (packed.scalar_type() == at::kBFloat16) {
+    packed_linear_impl<c10::BFloat16>(out, x, packed, n_dim);
   } else {
-    const float* wp = weight.data_ptr<float>();
-    at::parallel_for(0, n_dim, grain, [&](int64_t b, int64_t e) {
-      small_m_linear_cols(xp, wp, op, m_rows, k_dim, n_dim, b, e);
-    });
+    packed_linear_impl<float>(out, x, packed, n_dim);
   }
 }
 
@@ -374,7 +456,7 @@ TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor seq_lens, float scale) -> ()");
-  m.def("small_m_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("packed_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
   m.def(
       "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
       " -> ()");
@@ -383,7 +465,7 @@ TORCH_LIBRARY(octavo, m) {
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("small_m_linear", &small_m_linear);
+  m.impl("packed_linear", &packed_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
 }
