@@ -34,13 +34,22 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # Rows up to which packed_linear beats torch's GEMM on a CPU (measured: BENCHMARKS.md).
-PACKED_MAX_ROWS = 64
+PACKED_MAX_ROWS = 96
 
 _state: dict[str, object] = {}
 
 
+# Built on the machine that runs it, so the host's vector units are fair game. -fopenmp makes
+# at::parallel_for (an inline template) parallel in this library: without it the pragmas are
+# ignored and every kernel runs on one thread. The OpenMP runtime is the one torch already
+# loaded (same soname), so kernels and torch's own ops share one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+
 def _build_dir() -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode())
+    digest = digest.hexdigest()[:12]
     root = os.environ.get("OCTAVO_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "octavo", "kernels"
     )
@@ -69,8 +78,8 @@ def _load() -> bool:
             name="octavo_cpu_kernels",
             sources=[str(_SOURCE)],
             build_directory=str(build_dir),
-            # Built on the machine that runs it, so the host's vector units are fair game.
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             is_python_module=False,
             verbose=False,
         )
