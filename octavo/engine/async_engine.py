@@ -6,6 +6,14 @@ drains at the top of each iteration, and each step's outputs go back to the even
 `loop.call_soon_threadsafe` per step. When there is nothing to run, the thread sleeps on a
 condition variable (no busy spin); a new command wakes it.
 
+`AsyncEngine.from_factory` also builds the engine on that thread, so that all of the engine's
+torch work (loading, packing, every step) runs on one thread. Torch runs parallel regions on one
+OpenMP thread team per calling thread, and GNU OpenMP stops letting a team's workers spin between
+regions once its teams hold more threads than there are CPUs: every region then pays a thread
+wake-up (~0.1 ms on a small VM, hundreds of regions per step). A model loaded on the main thread
+and stepped on another decoded at half the speed of one stepped where it was loaded (measured:
+BENCHMARKS.md).
+
 Must not: tokenize, render templates or build HTTP responses (callers do that before submitting,
 so the step loop never waits on them); block on a consumer (a slow reader only grows its own
 queue); let an engine error leave a caller waiting (every in-flight request gets the error).
@@ -84,7 +92,8 @@ class _Call:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        """Stats reach their loggers through `engine.add_stat_logger`, on the engine thread."""
+        """Over an engine built by the caller (on any thread; prefer `from_factory`). Stats reach
+        their loggers through `engine.add_stat_logger`, on the engine thread."""
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []
@@ -96,15 +105,53 @@ class AsyncEngine:
         self._streams: dict[str, _OutputStream] = {}
         self._num_steps = 0
 
+    @classmethod
+    def from_factory(cls, make_engine: Callable[[], LLMEngine]) -> AsyncEngine:
+        """Start the engine thread, build the engine there with `make_engine()`, and return once
+        it is built; the thread then waits for `start` to begin stepping. Re-raises whatever
+        the build raised (the thread has ended then)."""
+        built = threading.Event()
+        failure: list[BaseException] = []
+        holder: list[AsyncEngine] = []
+
+        def thread_main() -> None:
+            try:
+                engine = make_engine()
+            except BaseException as exc:
+                failure.append(exc)
+                built.set()
+                return
+            holder.append(cls(engine))
+            holder[0]._thread = threading.current_thread()
+            built.set()
+            holder[0]._wait_for_loop_then_run()
+
+        thread = threading.Thread(target=thread_main, name="octavo-engine", daemon=True)
+        thread.start()
+        built.wait()
+        if failure:
+            thread.join()
+            raise failure[0]
+        return holder[0]
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
-        if self._thread is not None:
+        """Start stepping; outputs are delivered on `loop` (default: the running one)."""
+        if self._loop is not None:
             return
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
-        self._thread.start()
+        with self._cond:
+            self._loop = loop or asyncio.get_running_loop()
+            self._cond.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
+            self._thread.start()
+
+    def _wait_for_loop_then_run(self) -> None:
+        with self._cond:
+            while self._loop is None and not self._stopping:
+                self._cond.wait()
+        self._run()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever is in flight (callers get their final "abort" outputs), stop the
@@ -179,7 +226,7 @@ class AsyncEngine:
             raise EngineDeadError(f"The engine is not running: {self._dead_reason}")
         if self._stopping:
             raise EngineDeadError("The engine is shutting down.")
-        if self._thread is None:
+        if self._loop is None:
             raise EngineDeadError("The engine has not been started.")
 
     def _submit(self, command: _Add | _Abort | _Call) -> None:

@@ -192,3 +192,40 @@ def test_shutdown_aborts_in_flight_requests() -> None:
     outputs, fake = _run(body)
     assert outputs[-1] == "abort" and set(outputs[:-1]) == {None}
     assert fake.aborted == ["a"] and not fake.has_unfinished_requests()
+
+
+def test_from_factory_builds_and_steps_on_one_thread() -> None:
+    # The engine is built on the thread that later steps it (one OpenMP team for all of its
+    # torch work); nothing steps before start().
+    built_on: list[threading.Thread] = []
+
+    def make():
+        built_on.append(threading.current_thread())
+        return FakeEngine()
+
+    async def main():
+        engine = AsyncEngine.from_factory(make)
+        assert built_on[0] is not threading.current_thread()
+        with pytest.raises(EngineDeadError, match="not been started"):
+            await _collect(engine, [_request("early")])
+        engine.start()
+        try:
+            return engine, await _collect(engine, [_request("a", 2)])
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    engine, outputs = asyncio.run(main())
+    assert outputs == [("a", "t", None), ("a", "t", "length")]
+    assert engine.engine.callers == {"octavo-engine"} == {built_on[0].name}
+    assert not built_on[0].is_alive()
+
+
+def test_from_factory_reraises_a_failed_build_and_shutdown_before_start_returns() -> None:
+    def broken():
+        raise RuntimeError("no such model")
+
+    with pytest.raises(RuntimeError, match="no such model"):
+        AsyncEngine.from_factory(broken)
+    engine = AsyncEngine.from_factory(FakeEngine)
+    engine.shutdown(timeout_s=5)
+    assert not engine.is_running and engine.dead_reason == "shut down"

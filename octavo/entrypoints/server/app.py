@@ -208,9 +208,12 @@ def build_app(
     return app
 
 
-def make_server_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """An app over a loaded engine, with Prometheus stats recorded on every step (by the
-    engine, on its thread)."""
+def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> FastAPI:
+    """An app over a loaded engine (or one already on its thread, from
+    `AsyncEngine.from_factory`), with Prometheus stats recorded on every step (by the engine,
+    on its thread)."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    engine = async_engine.engine
     engine_config = engine.config
     stat_logger = PrometheusStatLogger(
         engine_config.served_model_name,
@@ -218,7 +221,6 @@ def make_server_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
     )
     engine.add_stat_logger(stat_logger)
-    async_engine = AsyncEngine(engine)
     return build_app(async_engine, config, stat_logger)
 
 
@@ -226,8 +228,9 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Load the model, serve until SIGTERM or Ctrl-C, shut down gracefully; returns 0."""
     import uvicorn
 
-    engine = LLMEngine.from_engine_args(engine_args)
-    app = make_server_app(engine, config)
+    # Built on the thread that will step it: one OpenMP team for all of its torch work.
+    async_engine = AsyncEngine.from_factory(lambda: LLMEngine.from_engine_args(engine_args))
+    app = make_server_app(async_engine, config)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
