@@ -168,6 +168,14 @@ def make_parser() -> argparse.ArgumentParser:
     add_structured_args(structured_bench)
     add_engine_args(structured_bench)
 
+    from octavo.bench.decode import add_decode_bench_args
+
+    decode_bench = bench_commands.add_parser(
+        "decode", help="time of one steady decode step, by batch size"
+    )
+    add_decode_bench_args(decode_bench)
+    add_engine_args(decode_bench)
+
     from octavo.bench.serve import add_serve_bench_args
 
     serve_bench = bench_commands.add_parser(
@@ -249,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.structured import run_structured_bench
 
             return run_structured_bench(ns, engine_args_from(ns))
+        if ns.command == "bench" and ns.bench_command == "decode":
+            from octavo.bench.decode import run_decode_bench
+
+            return run_decode_bench(ns, engine_args_from(ns))
         if ns.command == "bench" and ns.bench_command == "serve":
             from octavo.bench.serve import run_serve_bench
 

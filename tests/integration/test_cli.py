@@ -48,3 +48,20 @@ def test_bench_throughput_ends_with_a_json_line(capsys) -> None:
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 4 and result["output_tokens_per_s"] > 0
+
+
+def test_bench_decode_times_every_batch_size(capsys) -> None:
+    code = main(["bench", "decode", "--batch-sizes", "1,3", "--context-len", "20",
+                 "--steps", "2", *ENGINE_FLAGS])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch_size"] for r in result["results"]] == [1, 3]
+    for row in result["results"]:
+        assert 0 < row["step_ms_min"] <= row["step_ms_median"]
+        assert row["decode_tokens_per_s"] == pytest.approx(
+            row["batch_size"] * 1e3 / row["step_ms_median"], rel=1e-3, abs=0.1)
+
+
+def test_bench_decode_rejects_bad_batch_sizes(capsys) -> None:
+    assert main(["bench", "decode", "--batch-sizes", "1,x", *ENGINE_FLAGS]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
