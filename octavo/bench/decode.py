@@ -3,8 +3,8 @@
 For each `--batch-sizes` entry N: N random-token prompts of `--context-len` tokens are
 prefilled, a few warm-up steps run, then `--steps` decode steps of all N requests are timed one
 by one (schedule, forward, sample, output processing: the whole engine step). Reports the
-median and fastest step and N / median as decode tok/s; requests then finish and free their
-blocks before the next size. This is the number the CPU kernels are judged by (BENCHMARKS.md):
+median and fastest step and N / median as decode tok/s; the requests are then aborted (their
+blocks return to the pool) before the next size. This is the number the CPU kernels are judged by (BENCHMARKS.md):
 serving throughput adds prefill and the HTTP side on top of it. Ends with one JSON line.
 """
 
@@ -53,15 +53,22 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
     if max(sizes) > engine.config.scheduler.max_num_seqs:
         raise ValueError(f"batch size {max(sizes)} is above --max-num-seqs "
                          f"{engine.config.scheduler.max_num_seqs}.")
+    # Requests prefilled in an early step of a large batch decode ahead of the others: give all
+    # of them room to the end of the context window, and abort them once timed, so every timed
+    # step decodes the whole batch.
+    room = engine.config.scheduler.max_model_len - ns.context_len
+    if room < _WARMUP_STEPS + ns.steps + 1:
+        raise ValueError(f"--context-len {ns.context_len} leaves too few tokens before "
+                         f"max_model_len {engine.config.scheduler.max_model_len}.")
     print("config:", engine.config.to_json())
-    params = SamplingParams(temperature=1.0, ignore_eos=True, seed=0,
-                            max_tokens=_WARMUP_STEPS + ns.steps + 2)
+    params = SamplingParams(temperature=1.0, ignore_eos=True, seed=0, max_tokens=room)
     results = []
     for size in sizes:
         prompts = random_prompts(size, ns.context_len, engine.model_runner.vocab_size,
                                  ns.dataset_seed + size)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"decode-{size}-{i}", prompt, params, OutputKind.FINAL_ONLY)
+        request_ids = [f"decode-{size}-{i}" for i in range(size)]
+        for request_id, prompt in zip(request_ids, prompts):
+            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY)
         # Prefill (in as many steps as the token budget needs), then warm-up decodes.
         scheduler = engine.scheduler
         while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -74,6 +81,7 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
             start = time.perf_counter()
             engine.step()
             times_ms.append((time.perf_counter() - start) * 1e3)
+        engine.abort_request(request_ids)
         while engine.has_unfinished_requests():
             engine.step()
         median = statistics.median(times_ms)
