@@ -169,3 +169,18 @@ def test_fused_rotary_matches_torch_on_a_packed_view():
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
     assert out.data_ptr() == packed.data_ptr()  # rotated where it lies
     assert torch.equal(packed[:, 48:], untouched)  # k and v columns left alone
+
+
+def test_kernels_return_the_input_dtype():
+    query, key_cache, value_cache, block_table, lens = _paged_inputs(2, [5, 9], 4, 2, 8, 4,
+                                                                     torch.float32, seed=2)
+    out = kernels.paged_decode_attention(query.bfloat16(), key_cache, value_cache, block_table,
+                                         lens, scale=0.3)
+    assert out.dtype == torch.bfloat16
+    expected = kernels.paged_decode_attention_reference(query.bfloat16().float(), key_cache,
+                                                        value_cache, block_table, lens, 0.3)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    weight = torch.randn(24, 8)
+    x = torch.randn(3, 8).bfloat16()
+    out = linear(x, weight.bfloat16(), None, kernels.pack_linear_weight(weight.bfloat16()))
+    assert out.dtype == torch.bfloat16

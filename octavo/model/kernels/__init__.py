@@ -104,11 +104,15 @@ def paged_decode_attention(
     num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
     max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1. Returns (num_seqs, num_heads,
     head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads)."""
-    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    torch.ops.octavo.paged_decode_attention(
-        out, query.float().contiguous(), key_cache, value_cache, block_table, seq_lens, scale
+    # Conversions only when needed: this runs once per layer per step, where a no-op call
+    # still costs microseconds.
+    dtype = query.dtype
+    if not (dtype == torch.float32 and query.is_contiguous()):
+        query = query.float().contiguous()
+    out = torch.ops.octavo.paged_decode_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale
     )
-    return out.to(query.dtype)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def paged_decode_attention_reference(
@@ -168,10 +172,9 @@ def unpack_linear_weight(packed: Tensor, n: int) -> Tensor:
 def packed_linear(x: Tensor, packed: Tensor, n: int) -> Tensor:
     """x: (m, k) any float dtype; packed: from `pack_linear_weight` of an (n, k) weight. Returns
     x @ weight^T as (m, n) float32."""
-    x = x.float().contiguous()
-    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
-    torch.ops.octavo.packed_linear(out, x, packed, n)
-    return out
+    if not (x.dtype == torch.float32 and x.is_contiguous()):
+        x = x.float().contiguous()
+    return torch.ops.octavo.packed_linear(x, packed, n)
 
 
 def packed_linear_reference(x: Tensor, packed: Tensor, n: int) -> Tensor:
@@ -179,15 +182,10 @@ def packed_linear_reference(x: Tensor, packed: Tensor, n: int) -> Tensor:
 
 
 def use_packed_linear(x: Tensor, packed: Tensor | None) -> bool:
-    """Whether the kernel takes this matmul: a CPU batch of at most PACKED_MAX_ROWS rows and a
-    packed weight. Above that torch's GEMM is faster (BENCHMARKS.md, CPU kernels)."""
-    return (
-        packed is not None
-        and x.dim() == 2
-        and x.shape[0] <= PACKED_MAX_ROWS
-        and x.device.type == "cpu"
-        and available()
-    )
+    """Whether the kernel takes this matmul: at most PACKED_MAX_ROWS rows and a packed weight
+    (only CPU weights get one). Above that torch's GEMM is faster (BENCHMARKS.md, CPU
+    kernels)."""
+    return packed is not None and x.ndim == 2 and x.shape[0] <= PACKED_MAX_ROWS and available()
 
 
 # --- fused elementwise ----------------------------------------------------------------------------
@@ -195,7 +193,7 @@ def use_packed_linear(x: Tensor, packed: Tensor | None) -> bool:
 
 def use_fused_elementwise(x: Tensor) -> bool:
     """Whether rms_norm_ / rotary_ can take x: float32 on a CPU with the kernels built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+    return x.dtype == torch.float32 and x.is_cpu and available()
 
 
 def rms_norm_(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> None:

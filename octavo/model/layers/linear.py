@@ -31,7 +31,7 @@ def linear(
         out = kernels.packed_linear(x, packed_weight, weight.shape[0])
         if bias is not None:
             out += bias
-        return out.to(x.dtype)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     return F.linear(x, weight, bias)
 
 

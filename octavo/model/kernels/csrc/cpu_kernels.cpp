@@ -17,6 +17,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -212,9 +214,10 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   });
 }
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, double scale) {
+  at::Tensor out = at::empty_like(query);
   if (key_cache.scalar_type() == at::kBFloat16) {
     paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
                                                seq_lens, scale);
@@ -222,6 +225,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
                                        seq_lens, scale);
   }
+  return out;
 }
 
 // ---- packed linear ----------------------------------------------------------------------------
@@ -387,13 +391,14 @@ void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   });
 }
 
-void packed_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                   int64_t n_dim) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim) {
+  at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
   if (packed.scalar_type() == at::kBFloat16) {
     packed_linear_impl<c10::BFloat16>(out, x, packed, n_dim);
   } else {
     packed_linear_impl<float>(out, x, packed, n_dim);
   }
+  return out;
 }
 
 // ---- RMSNorm with the residual add, and rotary embedding --------------------------------------
@@ -454,9 +459,9 @@ void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 
 TORCH_LIBRARY(octavo, m) {
   m.def(
-      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_table, Tensor seq_lens, float scale) -> ()");
-  m.def("packed_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def(
       "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
       " -> ()");
