@@ -42,7 +42,6 @@ def _batch_sizes(text: str) -> list[int]:
 def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
     from octavo.bench.throughput import random_prompts
     from octavo.core.sampling_params import SamplingParams
-    from octavo.engine.output_processor import OutputKind
     from octavo.entrypoints.llm import LLM
 
     sizes = _batch_sizes(ns.batch_sizes)
@@ -68,7 +67,7 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
                                  ns.dataset_seed + size)
         request_ids = [f"decode-{size}-{i}" for i in range(size)]
         for request_id, prompt in zip(request_ids, prompts):
-            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY)
+            engine.add_request(request_id, prompt, params)
         # Prefill (in as many steps as the token budget needs), then warm-up decodes.
         scheduler = engine.scheduler
         while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
