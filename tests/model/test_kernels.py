@@ -184,3 +184,29 @@ def test_kernels_return_the_input_dtype():
     x = torch.randn(3, 8).bfloat16()
     out = linear(x, weight.bfloat16(), None, kernels.pack_linear_weight(weight.bfloat16()))
     assert out.dtype == torch.bfloat16
+
+
+def test_float32_panels_on_request_and_the_bench_runs(capsys):
+    import json
+    import subprocess
+    import sys
+
+    weight = torch.randn(20, 12).bfloat16().float()
+    packed = kernels.pack_linear_weight(weight, allow_bf16=False)
+    assert packed.dtype == torch.float32
+    assert torch.equal(kernels.unpack_linear_weight(packed, 20), weight)
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(kernels.packed_linear(x, packed, 20),
+                               kernels.packed_linear(x, kernels.pack_linear_weight(weight), 20))
+    run = subprocess.run(
+        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--hidden-size", "32",
+         "--intermediate-size", "48", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
+         "--rows", "1,7", "--repeats", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # 2 layers x (qkv 64x32 + o 32x32 + gate/up 96x32 + down 32x48)
+    assert result["num_params"] == 2 * (64 * 32 + 32 * 32 + 96 * 32 + 32 * 48)
+    assert [row["rows"] for row in result["results"]] == [1, 7]
+    for row in result["results"]:
+        assert min(row["torch_fp32_ms"], row["packed_bf16_ms"], row["packed_fp32_ms"]) > 0

@@ -140,18 +140,20 @@ PANEL = 16  # output columns per packed panel (the kernel's vector width x 2)
 _BF16_PANEL_ORDER = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor | None:
+def pack_linear_weight(weight: Tensor, allow_bf16: bool = True) -> Tensor | None:
     """The weight (n, k) of a CPU linear layer packed for `packed_linear`: shape
     (ceil(n / 16), k, 16), panel p holding output columns 16p..16p+15 (zero rows pad n). In
     bfloat16 (half the bytes) when every value is exactly a bf16 number, which keeps the results
-    of float32 compute unchanged; else float32. None for other dtypes or devices."""
+    of float32 compute unchanged, unless `allow_bf16` is False; else float32. None for other
+    dtypes or devices."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach()
     n, k = weight.shape
     compact = weight.to(torch.bfloat16)
     exact = weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
-    source = compact if exact else weight
+    exact = exact and allow_bf16
+    source = compact if exact else weight.float()
     num_panels = -(-n // PANEL)
     padded = source.new_zeros(num_panels * PANEL, k)
     padded[:n] = source

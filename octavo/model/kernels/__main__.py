@@ -1,11 +1,21 @@
-"""`python -m octavo.model.kernels`: build the CPU kernels ahead of first use."""
+"""`python -m octavo.model.kernels`: build the CPU kernels ahead of first use.
+`python -m octavo.model.kernels --bench [...]`: then time decode-sized matmuls (see bench.py)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
 from octavo.model import kernels
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
+if len(sys.argv) > 1:
+    from octavo.model.kernels.bench import add_bench_args, run_bench
+
+    parser = argparse.ArgumentParser(prog="python -m octavo.model.kernels")
+    parser.add_argument("--bench", action="store_true", required=True,
+                        help="time torch's GEMM against the packed kernel")
+    add_bench_args(parser)
+    sys.exit(run_bench(parser.parse_args()))
 sys.exit(0 if kernels.available() else 1)

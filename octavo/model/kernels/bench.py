@@ -1,0 +1,92 @@
+"""`python -m octavo.model.kernels --bench`: decode-sized matmuls, torch's GEMM against the
+packed kernel, as a decode step meets them.
+
+The weights are those of a whole decoder (`--layers` x q/k/v, o, gate/up, down of the given
+sizes; the default is SmolLM2-135M's), each layer its own tensors, so that, as in a real step,
+they stream from memory rather than sit in cache. For each row count: the time of one pass over
+all of them with torch's float32 GEMM (`F.linear`) and with the packed kernel on bfloat16 and on
+float32 panels (medians of `--repeats` passes), the best GFLOP/s, and the weight bytes per
+second the bf16 panels stream. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from octavo.model import kernels
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden-size", type=int, default=576)
+    parser.add_argument("--intermediate-size", type=int, default=1536)
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rows", default="1,8,32,64,96,128",
+                        help="comma-separated numbers of rows (tokens) per matmul")
+    parser.add_argument("--repeats", type=int, default=7)
+
+
+def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
+    """(out, in) of each matmul of one decoder layer, packed as octavo packs them."""
+    head_dim = ns.hidden_size // ns.num_heads
+    qkv = (ns.num_heads + 2 * ns.num_kv_heads) * head_dim
+    return [(qkv, ns.hidden_size), (ns.num_heads * head_dim, ns.hidden_size),
+            (2 * ns.intermediate_size, ns.hidden_size), (ns.hidden_size, ns.intermediate_size)]
+
+
+def run_bench(ns: argparse.Namespace) -> int:
+    if not kernels.available():
+        raise SystemExit("the CPU kernels are not available here (see the log above)")
+    rows_list = [int(part) for part in ns.rows.split(",") if part.strip()]
+    gen = torch.Generator().manual_seed(0)
+    shapes = _layer_shapes(ns) * ns.layers
+    # bf16-exact float32 weights: both panel kinds hold the same numbers.
+    weights = [torch.randn(n, k, generator=gen).bfloat16().float() for n, k in shapes]
+    bf16_panels = [kernels.pack_linear_weight(w) for w in weights]
+    fp32_panels = [kernels.pack_linear_weight(w, allow_bf16=False) for w in weights]
+    num_params = sum(n * k for n, k in shapes)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+          f"{num_params / 1e6:.1f}M weights ({num_params * 4 / 2**20:.0f} MiB in float32)")
+    results = []
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
+
+        def gemm() -> None:
+            for (_, k), weight in zip(shapes, weights):
+                F.linear(inputs[k], weight)
+
+        def packed(panels: list[torch.Tensor]) -> None:
+            for (n, k), panel in zip(shapes, panels):
+                kernels.packed_linear(inputs[k], panel, n)
+
+        times: dict[str, list[float]] = {"torch_fp32": [], "packed_bf16": [], "packed_fp32": []}
+        runs = {"torch_fp32": gemm, "packed_bf16": lambda: packed(bf16_panels),
+                "packed_fp32": lambda: packed(fp32_panels)}
+        for fn in runs.values():
+            fn()  # warm-up
+        for _ in range(max(ns.repeats, 1)):
+            for name, fn in runs.items():  # interleaved, so drift hits all three alike
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        row = {"rows": rows}
+        for name, values in times.items():
+            row[f"{name}_ms"] = round(statistics.median(values), 2)
+        best = min(row[f"{name}_ms"] for name in times)
+        row["best_gflops"] = round(2 * rows * num_params / (best * 1e-3) / 1e9, 1)
+        row["packed_bf16_weight_gb_s"] = round(2 * num_params / (row["packed_bf16_ms"] * 1e-3)
+                                               / 1e9, 1)
+        results.append(row)
+        print(f"{rows:4d} rows: torch fp32 {row['torch_fp32_ms']:8.2f} ms, packed bf16 "
+              f"{row['packed_bf16_ms']:8.2f} ms, packed fp32 {row['packed_fp32_ms']:8.2f} ms; "
+              f"best {row['best_gflops']:6.1f} GFLOP/s, bf16 panels stream "
+              f"{row['packed_bf16_weight_gb_s']:5.1f} GB/s", flush=True)
+    print(json.dumps({"layers": ns.layers, "num_params": num_params, "results": results}))
+    return 0
