@@ -4,8 +4,9 @@ For each `--batch-sizes` entry N: N random-token prompts of `--context-len` toke
 prefilled, a few warm-up steps run, then `--steps` decode steps of all N requests are timed one
 by one (schedule, forward, sample, output processing: the whole engine step). Reports the
 median and fastest step and N / median as decode tok/s; the requests are then aborted (their
-blocks return to the pool) before the next size. This is the number the CPU kernels are judged by (BENCHMARKS.md):
-serving throughput adds prefill and the HTTP side on top of it. Ends with one JSON line.
+blocks return to the pool) before the next size. This is the number the CPU kernels are judged
+by (BENCHMARKS.md): serving throughput adds prefill and the HTTP side on top of it. Ends with
+one JSON line.
 """
 
 from __future__ import annotations

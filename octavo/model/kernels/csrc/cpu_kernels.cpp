@@ -245,7 +245,9 @@ constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 6;  // rows of x per register tile: 12 accumulators + 2 weights + x
 
 // Position of column j of a panel in its packed row.
-inline int64_t panel_slot(int64_t j, bool bf16) { return bf16 ? (j < 8 ? 2 * j : 2 * (j - 8) + 1) : j; }
+inline int64_t panel_slot(int64_t j, bool bf16) {
+  return bf16 ? (j < 8 ? 2 * j : 2 * (j - 8) + 1) : j;
+}
 
 #ifdef OCTAVO_AVX2
 inline void load_panel(const float* p, __m256& lo, __m256& hi) {
