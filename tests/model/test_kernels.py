@@ -53,7 +53,7 @@ def test_paged_decode_attention_of_one_key_is_its_value():
         torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 64, 115])
 @pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536), (16, 1)])
 @pytest.mark.parametrize("exact_bf16", [False, True])
 def test_packed_linear_matches_reference(rows, n, k, exact_bf16):

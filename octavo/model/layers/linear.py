@@ -1,12 +1,12 @@
 """Linear layers: the matmul every projection goes through, and PackedLinear.
 
-`linear()` sends a decode-sized batch (up to kernels.PACKED_MAX_ROWS rows) on a CPU to the
-packed-panel kernel, reading `packed_weight`, a copy of the weight laid out once at load time
+`linear()` sends a batch of up to kernels.PACKED_MAX_ROWS rows on a CPU to the packed-panel
+kernel, reading `packed_weight`, a copy of the weight laid out once at load time
 (`attach_packed_weights`) in panels each thread streams contiguously; BLAS GEMMs run far below
-memory bandwidth at these sizes. The copy is bfloat16 where every value of the weight is an
+memory bandwidth at decode sizes. The copy is bfloat16 where every value of the weight is an
 exact bf16 number (a checkpoint stored in bf16, loaded for fp32 compute): the same numbers in
-half the bytes, so results do not change. Larger batches (prefill) go to torch's GEMM on
-`weight`.
+half the bytes, so results do not change. Other devices, and larger batches, use torch's GEMM
+on `weight`.
 
 PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
 replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping

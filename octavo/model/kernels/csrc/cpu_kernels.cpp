@@ -375,13 +375,18 @@ void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
                         int64_t n_dim) {
   // x: (M, K) float32; packed: (ceil(N / 16), K, 16); out: (M, N) float32.
   const int64_t m_rows = x.size(0), k_dim = x.size(1), num_panels = packed.size(0);
+  if (m_rows == 0) return;  // e.g. logits of a step in which no request samples
   const float* xp = x.data_ptr<float>();
   const weight_t* wp = packed.data_ptr<weight_t>();
   float* op = out.data_ptr<float>();
   // Rows per chunk: a chunk of x (~256 KB) stays in L2 while the panels pass over it.
-  const int64_t chunk =
+  // Chunks of equal size (in whole tiles), so that no short last chunk streams every panel for
+  // a handful of rows.
+  const int64_t max_chunk =
       std::max<int64_t>(kTileRows, (65536 / std::max<int64_t>(k_dim, 1)) / kTileRows * kTileRows);
-  const int64_t num_chunks = (m_rows + chunk - 1) / chunk;
+  const int64_t num_chunks = (m_rows + max_chunk - 1) / max_chunk;
+  const int64_t chunk =
+      ((m_rows + num_chunks - 1) / num_chunks + kTileRows - 1) / kTileRows * kTileRows;
   // Work item = (chunk of rows, panel); threads take contiguous runs of panels.
   at::parallel_for(0, num_chunks * num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
