@@ -1,6 +1,6 @@
 """Fused CPU kernels (csrc/cpu_kernels.cpp) and the plain-torch versions they must agree with.
 
-Two operators for decode-sized work where general libraries waste the CPU:
+Two operators for work where general libraries waste the CPU at decode sizes:
 - `paged_decode_attention`: one query token per request attends over its blocks in place (no
   gather of the context into a padded copy, no padding to the longest request);
 - `packed_linear`: x @ W^T from a copy of W packed at load time into panels of 16 columns that
