@@ -129,6 +129,20 @@ inline float exp_shifted_sum(float* s, int64_t n, float max_score) {
   return sum;
 }
 
+// fn(t, row) for each token t < seq_len of a sequence whose cache blocks are `blocks`, `row`
+// pointing at its slot in `base` plus `offset`. Block by block: a block's slots are contiguous,
+// so there is no division per token.
+template <typename cache_t, typename Fn>
+inline void for_each_token_row(const cache_t* base, const int32_t* blocks, int64_t seq_len,
+                               int64_t block_size, int64_t slot_stride, int64_t offset, Fn&& fn) {
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const cache_t* row =
+        base + static_cast<int64_t>(blocks[b]) * block_size * slot_stride + offset;
+    for (int64_t o = 0; o < n; ++o, row += slot_stride) fn(start + o, row);
+  }
+}
+
 template <typename cache_t>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -174,19 +188,14 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
       const int32_t* blocks = table + seq * max_blocks;
       const float* q = q_base + (seq * num_heads + kv_first * group) * head_dim;
       scores.resize(heads_per_item * seq_len);
-      // Scores, block by block (no division per token: a block's rows are contiguous slots);
-      // each key row is read once for every query head it serves.
-      for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const int64_t n = std::min(block_size, seq_len - start);
-        const cache_t* k = k_base + static_cast<int64_t>(blocks[b]) * block_size * slot_stride +
-                           kv_first * head_dim;
-        for (int64_t o = 0; o < n; ++o, k += slot_stride) {
-          for (int64_t h = 0; h < heads_per_item; ++h) {
-            scores[h * seq_len + start + o] =
-                dot(q + h * head_dim, k + row_offset[h], head_dim) * fscale;
-          }
-        }
-      }
+      // Scores; each key row is read once for every query head it serves.
+      for_each_token_row(k_base, blocks, seq_len, block_size, slot_stride, kv_first * head_dim,
+                         [&](int64_t t, const cache_t* k) {
+                           for (int64_t h = 0; h < heads_per_item; ++h) {
+                             scores[h * seq_len + t] =
+                                 dot(q + h * head_dim, k + row_offset[h], head_dim) * fscale;
+                           }
+                         });
       // Softmax per head, in float32.
       for (int64_t h = 0; h < heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
@@ -197,17 +206,13 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
       }
       // Weighted values, again one read of each value row for all its heads.
       acc.assign(heads_per_item * head_dim, 0.f);
-      for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const int64_t n = std::min(block_size, seq_len - start);
-        const cache_t* v = v_base + static_cast<int64_t>(blocks[b]) * block_size * slot_stride +
-                           kv_first * head_dim;
-        for (int64_t o = 0; o < n; ++o, v += slot_stride) {
-          for (int64_t h = 0; h < heads_per_item; ++h) {
-            axpy(acc.data() + h * head_dim, scores[h * seq_len + start + o], v + row_offset[h],
-                 head_dim);
-          }
-        }
-      }
+      for_each_token_row(v_base, blocks, seq_len, block_size, slot_stride, kv_first * head_dim,
+                         [&](int64_t t, const cache_t* v) {
+                           for (int64_t h = 0; h < heads_per_item; ++h) {
+                             axpy(acc.data() + h * head_dim, scores[h * seq_len + t],
+                                  v + row_offset[h], head_dim);
+                           }
+                         });
       float* out_row = out_base + (seq * num_heads + kv_first * group) * head_dim;
       std::copy(acc.begin(), acc.end(), out_row);
     }
