@@ -152,9 +152,10 @@ def pack_linear_weight(weight: Tensor, allow_bf16: bool = True) -> Tensor | None
         return None
     weight = weight.detach()
     n, k = weight.shape
-    compact = weight.to(torch.bfloat16)
-    exact = weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
-    exact = exact and allow_bf16
+    compact = weight.to(torch.bfloat16) if allow_bf16 else None
+    exact = compact is not None and (
+        weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
+    )
     source = compact if exact else weight.float()
     num_panels = -(-n // PANEL)
     padded = source.new_zeros(num_panels * PANEL, k)

@@ -42,9 +42,8 @@ def attach_packed_weights(model: nn.Module) -> tuple[int, int, int]:
     count = num_bf16 = nbytes = 0
     for module in model.modules():
         if isinstance(module, Linear) or hasattr(module, "packed_weight"):
-            packed = None
-            if kernels.available() and module.weight.device.type == "cpu":
-                packed = kernels.pack_linear_weight(module.weight)
+            # pack_linear_weight decides by device and dtype (None where the kernel can't run).
+            packed = kernels.pack_linear_weight(module.weight) if kernels.available() else None
             module.packed_weight = packed
             if packed is not None:
                 count += 1
