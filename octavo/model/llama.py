@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from octavo.model import kernels
 from octavo.model.attention.layer import PagedAttention
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.config import ModelConfig
@@ -52,14 +53,18 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj.split_output(self.qkv_proj(hidden_states))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = self.qkv_proj.split_output(qkv)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # In place: q and k are views into this layer's fresh qkv output.
-        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)
+        else:
+            # q's and k's heads are adjacent in each qkv row: one rotary call for both, in
+            # place where the fused kernel runs (a view into this layer's fresh qkv output).
+            qk = qkv[:, : q.shape[1] + k.shape[1]].view(num_tokens, -1, self.head_dim)
+            q, k = apply_rotary_(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         attn_output = self.attn(q, k, v, kv_cache, attn_metadata)  # (num_tokens, q_size)
         return self.o_proj(attn_output)
 
@@ -93,6 +98,29 @@ class LlamaDecoderLayer(nn.Module):
         )
         return self.mlp(hidden_states), residual
 
+    def decode_kernel_args(self) -> tuple | None:
+        """This layer's weights and sizes as kernels.decode_layer takes them, or None where that
+        kernel cannot run it (weights without a packed copy, Qwen3's per-head q/k norms)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (
+            attn.qk_norm
+            or any(linear.packed_weight is None for linear in linears)
+            or any(norm.weight.dtype != torch.float32 for norm in norms)
+            or norms[0].eps != norms[1].eps
+        ):
+            return None
+        return (
+            norms[0].weight, norms[1].weight, norms[0].eps,
+            attn.qkv_proj.packed_weight, attn.qkv_proj.bias,
+            attn.o_proj.packed_weight, attn.o_proj.bias,
+            mlp.gate_up_proj.packed_weight, mlp.gate_up_proj.bias,
+            mlp.down_proj.packed_weight, mlp.down_proj.bias,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features,
+            attn.attn.scale,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -103,6 +131,10 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Every layer's decode_kernel_args, gathered on the first forward (weights are fixed
+        # once loaded); None if some layer cannot use the kernel.
+        self._decode_layer_args: list[tuple] | None = None
+        self._decode_layer_args_known = False
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
@@ -111,13 +143,42 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         # One cos/sin for all layers: (num_tokens, head_dim) each.
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                hidden_states, residual, cos, sin, kv_cache, attn_metadata
-            )
+        if self._use_decode_kernel(hidden_states, attn_metadata):
+            # Each layer as one kernel call. A zero residual makes the first layer's add a
+            # no-op (x + 0 == x), so its norm sees what the unfused first layer's does.
+            decode = attn_metadata.decode
+            residual = torch.zeros_like(hidden_states)
+            for args, kv_cache in zip(self._decode_layer_args, kv_caches, strict=True):
+                hidden_states = kernels.decode_layer(
+                    hidden_states, residual, args, cos, sin, kv_cache,
+                    attn_metadata.slot_mapping, decode.block_table, decode.seq_lens,
+                )
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden_states, residual = layer(
+                    hidden_states, residual, cos, sin, kv_cache, attn_metadata
+                )
         hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
         return hidden_states
+
+    def _use_decode_kernel(self, hidden_states: Tensor, attn_metadata: AttentionMetadata) -> bool:
+        """Whether this forward can run each layer as one kernels.decode_layer call: every row
+        a decode attended by the paged kernel, float32 on a CPU, and every layer supported."""
+        decode = attn_metadata.decode
+        if (
+            decode is None
+            or decode.token_idx is not None  # some rows are prompt chunks
+            or decode.block_table is None  # attention planned without the paged kernel
+            or attn_metadata.backend != "sdpa"
+            or not kernels.use_fused_elementwise(hidden_states)
+        ):
+            return False
+        if not self._decode_layer_args_known:
+            args = [layer.decode_kernel_args() for layer in self.layers]
+            self._decode_layer_args = None if None in args else args
+            self._decode_layer_args_known = True
+        return self._decode_layer_args is not None
 
 
 class LlamaForCausalLM(nn.Module):

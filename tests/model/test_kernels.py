@@ -171,6 +171,32 @@ def test_fused_rotary_matches_torch_on_a_packed_view():
     assert torch.equal(packed[:, 48:], untouched)  # k and v columns left alone
 
 
+def test_silu_and_mul_matches_torch():
+    gen = torch.Generator().manual_seed(3)
+    gate_up = 6 * torch.randn(7, 2 * 37, generator=gen)  # 37: vector lanes and a scalar tail
+    gate_up[0, :8] = torch.tensor([-100.0, -88.5, -50.0, 0.0, 50.0, 88.5, 100.0, 1e30])
+    out = kernels.silu_and_mul(gate_up)
+    assert out.shape == (7, 37)
+    torch.testing.assert_close(out, kernels.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_matches_index_copy(cache_dtype):
+    from octavo.model.attention.layer import write_kv_cache
+
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, (4 + 2 + 2) * 8, generator=gen)  # 4 q heads, 2 kv heads, head_dim 8
+    key, value = qkv[:, 32:48].view(5, 2, 8), qkv[:, 48:].view(5, 2, 8)  # strided views
+    slots = torch.tensor([9, 0, 23, 4, 17])
+    cache = torch.randn(2, 6, 4, 2, 8, generator=gen).to(cache_dtype)
+    expected = cache.clone()
+    expected[0].view(-1, 2, 8).index_copy_(0, slots, key.to(cache_dtype))
+    expected[1].view(-1, 2, 8).index_copy_(0, slots, value.to(cache_dtype))
+    assert kernels.use_kv_cache_write(key, value, cache)
+    write_kv_cache(cache, key, value, slots)
+    assert torch.equal(cache, expected)  # bf16: rounded to nearest even, as torch converts
+
+
 def test_kernels_return_the_input_dtype():
     query, key_cache, value_cache, block_table, lens = _paged_inputs(2, [5, 9], 4, 2, 8, 4,
                                                                      torch.float32, seed=2)

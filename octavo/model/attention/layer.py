@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from octavo.model import kernels
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.attention.reference import reference_attention
 from octavo.model.attention.sdpa import sdpa_attention
@@ -18,6 +19,9 @@ from octavo.model.attention.sdpa import sdpa_attention
 def write_kv_cache(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
     """Store key, value (num_tokens, num_kv_heads, head_dim) at their slots of kv_cache
     (2, num_blocks, block_size, num_kv_heads, head_dim), converting to the cache dtype."""
+    if kernels.use_kv_cache_write(key, value, kv_cache):
+        kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, kv_heads, head_dim)
     value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)

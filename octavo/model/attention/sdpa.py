@@ -31,8 +31,6 @@ def sdpa_attention(
     """query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads,
     head_dim), this step's (already in the cache); kv_cache: (2, num_blocks, block_size,
     num_kv_heads, head_dim). Returns (num_tokens, num_heads, head_dim) in query's dtype."""
-    key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
-    value_slots = kv_cache[1].flatten(0, 1)
     decode = metadata.decode
     if decode is not None and decode.token_idx is None:
         # All rows are decodes in batch order: the decode output is the whole output.
@@ -44,6 +42,8 @@ def sdpa_attention(
         output.index_copy_(
             0, decode.token_idx, _decode(decode_query, kv_cache, metadata, scale)
         )
+    key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
+    value_slots = kv_cache[1].flatten(0, 1)
     for chunk in metadata.chunks:
         chunk_query = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if chunk.kv_slots is None:

@@ -7,9 +7,11 @@ Two operators for work where general libraries waste the CPU at decode sizes:
   each thread streams contiguously, in bfloat16 where that is lossless (half the bytes; widened
   in registers, accumulated in float32). Far ahead of BLAS at decode sizes, where the weights'
   bytes are the cost; level with or a little ahead of MKL's GEMM at prefill sizes.
-And two that fold a chain of elementwise torch ops into one pass, in place: RMSNorm with its
-residual add (`rms_norm_`) and rotary embedding (`rotary_`). Their callers keep the torch code
-as the fallback, and the tests compare both.
+And four that fold a chain of small torch ops into one pass: RMSNorm with its residual add
+(`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`, and
+`write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
+index_copy_ for each). Their callers keep the torch code as the fallback, and the tests compare
+both.
 
 The C++ source is compiled on first use with torch's extension builder into a cache folder
 (`OCTAVO_KERNEL_CACHE`, default ~/.cache/octavo/kernels/<torch>-<source hash>), which takes
@@ -212,3 +214,60 @@ def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     """In place: x <- x * cos + rotate_half(x) * sin. x: (num_tokens, num_heads, head_dim)
     float32 with unit stride in head_dim; cos, sin: (num_tokens, head_dim) float32."""
     torch.ops.octavo.rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up: (num_tokens, 2 * inter) float32 contiguous, gate columns first. Returns
+    silu(gate) * up, (num_tokens, inter)."""
+    return torch.ops.octavo.silu_and_mul(gate_up)
+
+
+def silu_and_mul_reference(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def use_kv_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
+    """Whether write_kv_cache can take these: float32 keys and values on a CPU whose heads are
+    contiguous within a token, and a contiguous float32 or bfloat16 cache."""
+    return (
+        key.dtype == value.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and key.is_cpu
+        and _token_rows_contiguous(key)
+        and _token_rows_contiguous(value)
+        and kv_cache.is_contiguous()
+        and available()
+    )
+
+
+def _token_rows_contiguous(x: Tensor) -> bool:
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """key, value: (num_tokens, num_kv_heads, head_dim) float32 (see use_kv_cache_write);
+    kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim); slot_mapping: (num_tokens,)
+    int64. Stores token t's key and value at slot slot_mapping[t], in the cache's dtype."""
+    torch.ops.octavo.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+# --- a whole decoder layer for decode rows ------------------------------------------------------
+
+
+def decode_layer(
+    hidden: Tensor, residual: Tensor, layer_args: tuple, cos: Tensor, sin: Tensor,
+    kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+) -> Tensor:
+    """One Llama-style decoder layer over rows that are all single-token decodes, as one call of
+    the kernels above in the order the model's Python layer makes them (same results).
+    hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
+    residual becomes the stream after this layer's attention. layer_args: the layer's weights
+    and sizes, (input_norm, post_norm, eps, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
+    down, down_bias, num_heads, num_kv_heads, head_dim, intermediate_size, scale) with packed
+    weights and optional biases; cos, sin: (num_tokens, head_dim) float32; the last three as
+    for paged_decode_attention, slot_mapping as for write_kv_cache. Returns the layer's output.
+    """
+    return torch.ops.octavo.decode_layer(
+        hidden, residual, *layer_args, cos, sin, kv_cache, slot_mapping, block_table, seq_lens
+    )

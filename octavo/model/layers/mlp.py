@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from octavo.model import kernels
 from octavo.model.layers.linear import Linear, PackedLinear
 
 
@@ -22,5 +23,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (num_tokens, hidden) -> (num_tokens, hidden)."""
-        gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))  # 2 x (num_tokens, inter)
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * inter)
+        if kernels.use_fused_elementwise(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split_output(gate_up)
         return self.down_proj(F.silu(gate) * up)

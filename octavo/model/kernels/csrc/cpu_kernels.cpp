@@ -6,9 +6,9 @@
 //    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels of
 //    16 columns (float32, or bfloat16 widened in registers; accumulation in fp32).
 //
-// Beside them, RMSNorm (with the residual add) and rotary embedding in place, one pass each over
-// the data instead of the half-dozen elementwise ops (and temporaries) they take in torch, which
-// dominate a decode step's op count once the matmuls are fast.
+// Beside them, RMSNorm (with the residual add), rotary embedding, SiLU-and-mul and the KV cache
+// write, one pass each over the data instead of the half-dozen ops (and temporaries) they take
+// in torch, which dominate a decode step's op count once the matmuls are fast.
 //
 // All are registered as torch operators (torch.ops.octavo.*) and parallelised with
 // at::parallel_for, so they share torch's thread pool instead of starting another one.
@@ -74,6 +74,8 @@ inline __m256 exp_nonpositive(__m256 x) {
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
+// exp for any x: large arguments are clamped where the result still fits a float (~2e38).
+inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
 #endif
 
 // ---- paged decode attention -----------------------------------------------------------------
@@ -467,6 +469,124 @@ void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// ---- SiLU-and-mul and the KV cache write -----------------------------------------------------
+
+// gate_up: (num_tokens, 2 * inter) float32 contiguous, the gate's columns first (the packed
+// gate/up projection). Returns silu(gate) * up = gate / (1 + exp(-gate)) * up, shape
+// (num_tokens, inter).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t num_tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({num_tokens, inter}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // A few rows per task: one decode row is ~2 us of work, less than waking a thread.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = in + t * 2 * inter;
+      const float* up = gate + inter;
+      float* o = op + t * inter;
+      int64_t i = 0;
+#ifdef OCTAVO_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp_any(_mm256_sub_ps(zero, g));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(up + i)));
+      }
+#endif
+      for (; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+// key, value: (num_tokens, num_kv_heads, head_dim) float32 whose heads are contiguous within a
+// token (rows may be views into a wider packed projection); kv_cache: (2, num_blocks,
+// block_size, num_kv_heads, head_dim) contiguous, float32 or bfloat16 (rounded to nearest
+// even, as torch converts); slot_mapping: (num_tokens,) int64. Token t's key and value go to
+// slot slot_mapping[t] of the key and value halves.
+template <typename cache_t>
+void write_kv_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                         const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t row = key.size(1) * key.size(2);  // one token's heads
+  const int64_t key_stride = key.stride(0), value_stride = value.stride(0);
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  cache_t* key_cache = kv_cache.data_ptr<cache_t>();
+  cache_t* value_cache = key_cache + kv_cache.stride(0);
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      std::copy(kp + t * key_stride, kp + t * key_stride + row, key_cache + slot * row);
+      std::copy(vp + t * value_stride, vp + t * value_stride + row, value_cache + slot * row);
+    }
+  });
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                    const at::Tensor& slot_mapping) {
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    write_kv_cache_impl<c10::BFloat16>(key, value, kv_cache, slot_mapping);
+  } else {
+    write_kv_cache_impl<float>(key, value, kv_cache, slot_mapping);
+  }
+}
+
+// ---- one decoder layer for a batch of decode rows ---------------------------------------------
+//
+// A Llama-style layer (octavo/model/llama.py, LlamaDecoderLayer with a residual) over rows that
+// are all single-token decodes, as one call of the kernels above in the order the Python layer
+// calls them, so the results are the same bit for bit. It exists because at small batches the
+// ~25 torch ops and Python calls around the kernels of each layer cost as much as the work.
+//   residual <- hidden + residual; x <- input_norm(residual)            (in place)
+//   q, k, v <- split(x @ Wqkv^T + b); rotary on q and k; k, v -> cache at slot_mapping
+//   x <- paged_attention(q) @ Wo^T + b
+//   residual <- x + residual; x <- post_norm(residual)
+//   returns down(silu(gate(x)) * up(x))
+// Packed weights are from pack_linear_weight; the Python wrapper checks the rest.
+at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                        const c10::optional<at::Tensor>& o_bias,
+                        const at::Tensor& gate_up_weight,
+                        const c10::optional<at::Tensor>& gate_up_bias,
+                        const at::Tensor& down_weight, const c10::optional<at::Tensor>& down_bias,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t intermediate_size, double scale, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor kv_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens) {
+  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  auto linear = [](const at::Tensor& x, const at::Tensor& weight,
+                   const c10::optional<at::Tensor>& bias, int64_t n) {
+    at::Tensor out = packed_linear(x, weight, n);
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+  };
+  rms_norm(hidden, residual, input_norm, eps, true);
+  at::Tensor qkv = linear(hidden, qkv_weight, qkv_bias, q_size + 2 * kv_size);
+  rotary(qkv.narrow(1, 0, q_size + kv_size).view({num_tokens, num_heads + num_kv_heads, head_dim}),
+         cos, sin);
+  const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  const at::Tensor value =
+      qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  write_kv_cache(key, value, kv_cache, slot_mapping);
+  const at::Tensor query =
+      qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim}).contiguous();
+  const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
+                                                 kv_cache.select(0, 1), block_table, seq_lens,
+                                                 scale);
+  at::Tensor x = linear(attn.view({num_tokens, q_size}), o_weight, o_bias, hidden_size);
+  rms_norm(x, residual, post_norm, eps, true);
+  const at::Tensor gate_up = linear(x, gate_up_weight, gate_up_bias, 2 * intermediate_size);
+  return linear(silu_and_mul(gate_up), down_weight, down_bias, hidden_size);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(octavo, m) {
@@ -478,6 +598,17 @@ TORCH_LIBRARY(octavo, m) {
       "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
       " -> ()");
   m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping)"
+      " -> ()");
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
+      "Tensor post_norm, float eps, Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, "
+      "Tensor? o_bias, Tensor gate_up_weight, Tensor? gate_up_bias, Tensor down_weight, "
+      "Tensor? down_bias, int num_heads, int num_kv_heads, int head_dim, "
+      "int intermediate_size, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
@@ -485,4 +616,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("decode_layer", &decode_layer);
 }
