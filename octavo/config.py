@@ -87,7 +87,8 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0
+    # None: DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU, 0 (no cap) elsewhere.
+    long_prefill_token_threshold: int | None = None
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
@@ -120,7 +121,8 @@ class EngineArgs:
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")
         _check_scheduling(
-            self.admission, self.watermark, self.preempt_victim, self.long_prefill_token_threshold
+            self.admission, self.watermark, self.preempt_victim,
+            self.long_prefill_token_threshold or 0,
         )
 
 

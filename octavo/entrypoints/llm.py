@@ -31,7 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = EngineArgs.max_num_seqs,
         max_num_batched_tokens: int | None = None,
-        long_prefill_token_threshold: int = 0,
+        long_prefill_token_threshold: int | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         block_size: int = 16,

@@ -28,6 +28,11 @@ from octavo.worker.device import default_kv_cache_bytes, resolve_device, resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# On a CPU a step's time grows with every prompt token it carries (~1.4 ms per token for the
+# embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
+# running stream for seconds. 128-token chunks keep those steps near 0.2 s there; measured at
+# no cost in throughput or time to first token (BENCHMARKS.md, "Prompt chunks while decoding").
+DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            long_prefill_token_threshold=_long_prefill_token_threshold(args, device),
             max_model_len=max_model_len,
             admission=args.admission,
             watermark=args.watermark,
@@ -100,6 +105,12 @@ def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
         f"{cache.num_tokens} tokens ({mib:.1f} MiB); {fit} requests of max_model_len "
         f"({max_model_len}) fit"
     )
+
+
+def _long_prefill_token_threshold(args: EngineArgs, device: torch.device) -> int:
+    if args.long_prefill_token_threshold is not None:
+        return args.long_prefill_token_threshold
+    return DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD if device.type == "cpu" else 0
 
 
 def _num_kv_blocks(args: EngineArgs, bytes_per_token: int, device: torch.device) -> int:
