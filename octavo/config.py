@@ -19,6 +19,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Bytes one token of KV takes across all layers (K and V); 0 when no model is attached.
     bytes_per_token: int = 0
+    # The cache tensors' dtype ("" when no model is attached).
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -84,6 +86,8 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
+    # "auto": the compute dtype (vLLM's rule); bfloat16 halves the bytes of every cached token.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -108,6 +112,11 @@ class EngineArgs:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}."
+            )
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                "kv_cache_dtype must be one of auto, float32, bfloat16, float16; got "
+                f"{self.kv_cache_dtype!r}."
             )
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_tokens",
                      "kv_cache_memory_bytes"):

@@ -92,7 +92,7 @@ class LLMEngine:
             parts.config.cache,
             parts.config.scheduler,
             parts.device,
-            parts.dtype,
+            parts.kv_cache_dtype,
         )
         eos = parts.model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

@@ -17,6 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=defaults.dtype,
                        choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="dtype of the KV cache (auto: the compute dtype); bfloat16 with "
+                            "float32 compute halves each token's bytes")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -53,6 +57,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model,
         dtype=ns.dtype,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,

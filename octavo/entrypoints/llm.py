@@ -28,6 +28,7 @@ class LLM:
         self,
         model: str | None = None,
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = EngineArgs.max_num_seqs,
         max_num_batched_tokens: int | None = None,
@@ -51,6 +52,7 @@ class LLM:
         args = EngineArgs(
             model=model,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

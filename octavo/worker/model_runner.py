@@ -16,6 +16,7 @@ from torch import nn
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
 from octavo.core.scheduler_output import SchedulerOutput
+from octavo.model import kernels
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
@@ -48,7 +49,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         device: torch.device,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -56,8 +57,11 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model_config.vocab_size
         self.kv_caches = allocate_kv_cache(
-            model_config, cache_config.num_blocks, cache_config.block_size, dtype, device
+            model_config, cache_config.num_blocks, cache_config.block_size, kv_cache_dtype, device
         )
+        # The paged decode kernel reads float32 and bfloat16 caches; others (float16) go
+        # through gathered blocks and SDPA.
+        self.paged_decode = None if kernels.reads_cache_dtype(kv_cache_dtype) else False
         max_model_len = scheduler_config.max_model_len
         max_blocks_per_req = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -139,6 +143,7 @@ class ModelRunner:
             slot_mapping=self._to_device(np.concatenate(slot_chunks)),
             block_table=self._to_device(block_table),
             block_size=self.block_size,
+            paged_decode=self.paged_decode,
         )
         return StepInputs(
             input_ids=self._to_device(np.concatenate(token_chunks)),

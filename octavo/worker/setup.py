@@ -42,6 +42,7 @@ class LoadedModel:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     model_path: str
 
 
@@ -62,7 +63,10 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
     torch.manual_seed(args.seed)
     model, model_config = load_model(model_path, dtype, device)
 
-    bytes_per_token = kv_cache_bytes_per_token(model_config, dtype)
+    kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(
+        args.kv_cache_dtype, device
+    )[0]
+    bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
     num_blocks = _num_kv_blocks(args, bytes_per_token, device)
     capacity = num_blocks * args.block_size
     max_model_len = _max_model_len(args, model_config, capacity)
@@ -78,6 +82,7 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
             num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             bytes_per_token=bytes_per_token,
+            dtype=str(kv_cache_dtype).removeprefix("torch."),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -94,7 +99,7 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
     logger.info("dtype %s (%s)", config.dtype, dtype_reason)
     logger.info("resolved configuration: %s", config.to_json())
     logger.info(capacity_line(config.cache, max_model_len))
-    return LoadedModel(config, model, model_config, device, dtype, model_path)
+    return LoadedModel(config, model, model_config, device, dtype, kv_cache_dtype, model_path)
 
 
 def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
@@ -102,8 +107,8 @@ def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
     fit = cache.num_tokens // max_model_len
     return (
         f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
-        f"{cache.num_tokens} tokens ({mib:.1f} MiB); {fit} requests of max_model_len "
-        f"({max_model_len}) fit"
+        f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}); "
+        f"{fit} requests of max_model_len ({max_model_len}) fit"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from octavo import SamplingParams
 from octavo.core.request import RequestStatus
@@ -192,3 +193,27 @@ def test_prompts_run_in_128_token_chunks_on_a_cpu_unless_set(make_llm, llm, monk
         engine.step()
     assert chunks == [128, 128, 44, 1]
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16_bit_kv_cache_holds_twice_the_tokens_and_decodes(make_llm, llm, kv_cache_dtype):
+    """float32 compute over a 16-bit cache: half the bytes per token, so the same memory holds
+    twice the tokens; bf16 decodes through the paged kernel, float16 (which the kernel does not
+    read) through gathered blocks. Greedy text stays that of the float32 cache here."""
+    memory = 64 * llm.llm_engine.config.cache.bytes_per_token * 16
+    wide = make_llm(kv_cache_tokens=None, kv_cache_memory_bytes=memory)
+    narrow = make_llm(kv_cache_tokens=None, kv_cache_memory_bytes=memory,
+                      kv_cache_dtype=kv_cache_dtype)
+    assert narrow.llm_engine.config.cache.dtype == kv_cache_dtype
+    assert wide.llm_engine.config.cache.dtype == "float32"
+    assert 2 * narrow.llm_engine.config.cache.bytes_per_token == (
+        wide.llm_engine.config.cache.bytes_per_token)
+    assert narrow.llm_engine.config.cache.num_blocks == 2 * wide.llm_engine.config.cache.num_blocks
+    assert narrow.llm_engine.model_runner.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected = [o.outputs[0].token_ids for o in wide.generate(prompts, GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in narrow.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert_no_leak(narrow)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        make_llm(kv_cache_dtype="fp8")

@@ -195,6 +195,8 @@ def test_kv_cache_write_matches_index_copy(cache_dtype):
     assert kernels.use_kv_cache_write(key, value, cache)
     write_kv_cache(cache, key, value, slots)
     assert torch.equal(cache, expected)  # bf16: rounded to nearest even, as torch converts
+    with pytest.raises(RuntimeError, match="slot 24 is outside the cache's 24 slots"):
+        kernels.write_kv_cache(key, value, cache, torch.tensor([0, 1, 2, 3, 24]))
 
 
 def test_kernels_return_the_input_dtype():

@@ -136,6 +136,11 @@ def paged_decode_attention_reference(
     return out
 
 
+def reads_cache_dtype(dtype: torch.dtype) -> bool:
+    """Whether paged_decode_attention (and write_kv_cache) take a cache of this dtype."""
+    return dtype in (torch.float32, torch.bfloat16)
+
+
 # --- packed linear ------------------------------------------------------------------------------
 
 PANEL = 16  # output columns per packed panel (the kernel's vector width x 2)
@@ -232,7 +237,7 @@ def use_kv_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
     contiguous within a token, and a contiguous float32 or bfloat16 cache."""
     return (
         key.dtype == value.dtype == torch.float32
-        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and reads_cache_dtype(kv_cache.dtype)
         and key.is_cpu
         and _token_rows_contiguous(key)
         and _token_rows_contiguous(value)

@@ -518,9 +518,12 @@ void write_kv_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Ten
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   cache_t* key_cache = kv_cache.data_ptr<cache_t>();
   cache_t* value_cache = key_cache + kv_cache.stride(0);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " is outside the cache's ",
+                  num_slots, " slots");
       std::copy(kp + t * key_stride, kp + t * key_stride + row, key_cache + slot * row);
       std::copy(vp + t * value_stride, vp + t * value_stride + row, value_cache + slot * row);
     }
