@@ -185,16 +185,15 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
 def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, backend):
-    """--kv-cache-dtype bfloat16 with float32 compute: prompt rows attend to this step's float32
-    keys, decode rows read keys and values rounded to bf16, so decodes drift a little."""
+    """--kv-cache-dtype bfloat16 with float32 compute: keys and values read from the cache are
+    rounded to bf16 (~3 significant digits), so logits drift a little from float32's."""
     hf_model, model = tiny
     token_ids = _tokens(17, seed=8)
     expected = hf_logits(hf_model, token_ids)
     harness = PagedHarness(model, backend=backend, dtype=torch.bfloat16)
     prefill = harness.step({"r": token_ids[:11]})["r"]
-    _assert_matches(prefill, expected[:11])
     decodes = torch.cat([harness.step({"r": [t]})["r"] for t in token_ids[11:]])
-    torch.testing.assert_close(decodes, expected[11:], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=0.1, rtol=0.05)
     assert not torch.allclose(decodes, expected[11:], atol=1e-5, rtol=1e-5)  # it did read bf16
 
 
