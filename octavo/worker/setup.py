@@ -31,7 +31,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On a CPU a step's time grows with every prompt token it carries (~1.4 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
 # running stream for seconds. 128-token chunks keep those steps near 0.2 s there; measured at
-# no cost in throughput or time to first token (BENCHMARKS.md, "Prompt chunks while decoding").
+# no cost in throughput (BENCHMARKS.md, "Prompt chunks while decoding").
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 
 
