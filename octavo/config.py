@@ -34,6 +34,9 @@ class CacheConfig:
 
 
 ADMISSION_POLICIES = ("current", "reserve", "ratio")
+# --dtype and --kv-cache-dtype; "auto" is resolved from the machine (dtype) or the compute
+# dtype (the cache).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPT_VICTIMS = ("newest", "least-output")
 
 
@@ -109,15 +112,11 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}."
-            )
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                "kv_cache_dtype must be one of auto, float32, bfloat16, float16; got "
-                f"{self.kv_cache_dtype!r}."
-            )
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(DTYPES)}; got {getattr(self, name)!r}."
+                )
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_tokens",
                      "kv_cache_memory_bytes"):
             value = getattr(self, name)

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from octavo.config import ADMISSION_POLICIES, PREEMPT_VICTIMS, EngineArgs
+from octavo.config import ADMISSION_POLICIES, DTYPES, PREEMPT_VICTIMS, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,9 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None,
                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=defaults.dtype,
-                       choices=["auto", "float32", "bfloat16", "float16"])
+                       choices=list(DTYPES))
     group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
-                       choices=["auto", "float32", "bfloat16", "float16"],
+                       choices=list(DTYPES),
                        help="dtype of the KV cache (auto: the compute dtype); bfloat16 with "
                             "float32 compute halves each token's bytes")
     group.add_argument("--max-model-len", type=int, default=None)

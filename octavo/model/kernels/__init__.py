@@ -11,7 +11,9 @@ And four that fold a chain of small torch ops into one pass: RMSNorm with its re
 (`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`, and
 `write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
 index_copy_ for each). Their callers keep the torch code as the fallback, and the tests compare
-both.
+both. Last, `decode_layer`: a whole Llama-style decoder layer over rows that are all decodes,
+as one call of the kernels above (the per-layer torch ops and Python around them cost as much
+as the work at small batches).
 
 The C++ source is compiled on first use with torch's extension builder into a cache folder
 (`OCTAVO_KERNEL_CACHE`, default ~/.cache/octavo/kernels/<torch>-<source hash>), which takes
