@@ -146,7 +146,7 @@ inline void for_each_token_row(const cache_t* base, const int32_t* blocks, int64
 }
 
 template <typename cache_t>
-void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+void paged_decode_attention_generic(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
                                  double scale) {
@@ -221,16 +221,219 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   });
 }
 
+#ifdef OCTAVO_AVX2
+// [sum(a0), ..., sum(a7)]: eight horizontal sums in one vector.
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                    __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  // u0 = [a0..a3 low-half sums | a0..a3 high-half sums], u1 the same for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The eight lanes whose sum is q . k (d a multiple of 8): two FMA chains, no reduction yet.
+template <typename cache_t>
+inline __m256 dot_lanes(const float* q, const cache_t* k, int64_t d) {
+  __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  __m256 a1 = _mm256_setzero_ps();
+  int64_t i = 8;
+  for (; i + 16 <= d; i += 16) {
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a1);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a0);
+  }
+  if (i < d) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a1);
+  return _mm256_add_ps(a0, a1);
+}
+
+// acc[0, d) += sum_t p[t] * row_t[0, d) over the n rows row + t * stride; d a multiple of 8.
+// 64 columns at a time in eight registers, so acc is loaded and stored once per call, not once
+// per row.
+template <typename cache_t>
+inline void weighted_rows(float* acc, const float* p, const cache_t* row, int64_t stride,
+                          int64_t n, int64_t d) {
+  int64_t i = 0;
+  for (; i + 64 <= d; i += 64) {
+    __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8),
+           a2 = _mm256_loadu_ps(acc + i + 16), a3 = _mm256_loadu_ps(acc + i + 24),
+           a4 = _mm256_loadu_ps(acc + i + 32), a5 = _mm256_loadu_ps(acc + i + 40),
+           a6 = _mm256_loadu_ps(acc + i + 48), a7 = _mm256_loadu_ps(acc + i + 56);
+    const cache_t* v = row + i;
+    for (int64_t t = 0; t < n; ++t, v += stride) {
+      const __m256 pt = _mm256_broadcast_ss(p + t);
+      a0 = _mm256_fmadd_ps(pt, load8(v), a0);
+      a1 = _mm256_fmadd_ps(pt, load8(v + 8), a1);
+      a2 = _mm256_fmadd_ps(pt, load8(v + 16), a2);
+      a3 = _mm256_fmadd_ps(pt, load8(v + 24), a3);
+      a4 = _mm256_fmadd_ps(pt, load8(v + 32), a4);
+      a5 = _mm256_fmadd_ps(pt, load8(v + 40), a5);
+      a6 = _mm256_fmadd_ps(pt, load8(v + 48), a6);
+      a7 = _mm256_fmadd_ps(pt, load8(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+    _mm256_storeu_ps(acc + i + 16, a2);
+    _mm256_storeu_ps(acc + i + 24, a3);
+    _mm256_storeu_ps(acc + i + 32, a4);
+    _mm256_storeu_ps(acc + i + 40, a5);
+    _mm256_storeu_ps(acc + i + 48, a6);
+    _mm256_storeu_ps(acc + i + 56, a7);
+  }
+  for (; i < d; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i);
+    const cache_t* v = row + i;
+    for (int64_t t = 0; t < n; ++t, v += stride) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), load8(v), a);
+    }
+    _mm256_storeu_ps(acc + i, a);
+  }
+}
+
+// Asks for the n rows of `len` elements at row + r * stride to be brought into cache: the next
+// block of a sequence lies anywhere in the pool, where the hardware prefetcher cannot guess it.
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* row, int64_t n, int64_t stride, int64_t len) {
+  const int64_t bytes = len * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t r = 0; r < n; ++r) {
+    const char* p = reinterpret_cast<const char*>(row + r * stride);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
+// The AVX2 version for head_dim a multiple of 8. Scores: key rows are read in order, and each
+// head's eight-lane partial dot products of eight tokens are reduced together (hsum8), not one
+// reduction per dot product. Values: a block's rows are added with broadcast weights into
+// register accumulators (weighted_rows). The next block is prefetched; the softmax is normalised
+// once, on the output.
+template <typename cache_t>
+void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * slot_stride;
+
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const cache_t* k_base = key_cache.data_ptr<cache_t>();
+  const cache_t* v_base = value_cache.data_ptr<cache_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+
+  // Work items as in the generic version: a sequence and all its kv heads when there are enough
+  // sequences for every thread, else a sequence and one kv head.
+  const int64_t kv_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_per_item;
+  const int64_t heads_per_item = kv_per_item * group;
+  const int64_t item_width = kv_per_item * head_dim;  // elements of a token row an item reads
+
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (heads_per_item, seq_len)
+    std::vector<float> acc;     // (heads_per_item, head_dim)
+    std::vector<float> inv_sum(heads_per_item);
+    std::vector<__m256> partial(heads_per_item * 8, _mm256_setzero_ps());  // (head, token)
+    alignas(32) float lanes[8];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq;
+      const int64_t offset = (item % items_per_seq) * item_width;  // first kv head's column
+      const int64_t seq_len = lens[seq];
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      const int32_t* blocks = table + seq * max_blocks;
+      const float* q = q_base + (seq * num_heads) * head_dim + offset * group;
+      scores.resize(heads_per_item * seq_len);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t start = b * block_size, n = std::min(block_size, seq_len - start);
+        const cache_t* block = k_base + blocks[b] * block_stride + offset;
+        if (b + 1 < num_blocks) {
+          prefetch_rows(k_base + blocks[b + 1] * block_stride + offset,
+                        std::min(block_size, seq_len - start - block_size), slot_stride,
+                        item_width);
+        }
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+          const int64_t nt = std::min<int64_t>(8, n - t0);
+          // Each token's row is read once, front to back, for all the item's heads.
+          for (int64_t t = 0; t < nt; ++t) {
+            const cache_t* k = block + (t0 + t) * slot_stride;
+            for (int64_t h = 0; h < heads_per_item; ++h) {
+              partial[h * 8 + t] = dot_lanes(q + h * head_dim, k + (h / group) * head_dim,
+                                             head_dim);
+            }
+          }
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            const __m256* p = partial.data() + h * 8;
+            const __m256 s =
+                _mm256_mul_ps(hsum8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]), vscale);
+            float* dst = scores.data() + h * seq_len + start + t0;
+            if (nt == 8) {
+              _mm256_storeu_ps(dst, s);
+            } else {
+              _mm256_store_ps(lanes, s);
+              std::copy(lanes, lanes + nt, dst);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads_per_item; ++h) {
+        float* s = scores.data() + h * seq_len;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
+        inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
+      }
+      acc.assign(heads_per_item * head_dim, 0.f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t start = b * block_size, n = std::min(block_size, seq_len - start);
+        const cache_t* block = v_base + blocks[b] * block_stride + offset;
+        if (b + 1 < num_blocks) {
+          prefetch_rows(v_base + blocks[b + 1] * block_stride + offset,
+                        std::min(block_size, seq_len - start - block_size), slot_stride,
+                        item_width);
+        }
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          weighted_rows(acc.data() + h * head_dim, scores.data() + h * seq_len + start,
+                        block + (h / group) * head_dim, slot_stride, n, head_dim);
+        }
+      }
+      float* out_row = out_base + (seq * num_heads) * head_dim + offset * group;
+      for (int64_t h = 0; h < heads_per_item; ++h) {
+        for (int64_t i = 0; i < head_dim; ++i) {
+          out_row[h * head_dim + i] = acc[h * head_dim + i] * inv_sum[h];
+        }
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale) {
   at::Tensor out = at::empty_like(query);
-  if (key_cache.scalar_type() == at::kBFloat16) {
-    paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
-                                               seq_lens, scale);
+  const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
+#ifdef OCTAVO_AVX2
+  if (query.size(2) % 8 == 0) {
+    if (bf16) {
+      paged_decode_attention_tiled<c10::BFloat16>(out, query, key_cache, value_cache,
+                                                  block_table, seq_lens, scale);
+    } else {
+      paged_decode_attention_tiled<float>(out, query, key_cache, value_cache, block_table,
+                                          seq_lens, scale);
+    }
+    return out;
+  }
+#endif
+  if (bf16) {
+    paged_decode_attention_generic<c10::BFloat16>(out, query, key_cache, value_cache,
+                                                  block_table, seq_lens, scale);
   } else {
-    paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
-                                       seq_lens, scale);
+    paged_decode_attention_generic<float>(out, query, key_cache, value_cache, block_table,
+                                          seq_lens, scale);
   }
   return out;
 }
