@@ -1,0 +1,118 @@
+"""benchmarks/compare.py, the arithmetic and parsing behind benchmarks/compare.sh: KV sizes, the
+facts read from server logs, and the table of medians and ratios written into BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "num_hidden_layers": 30, "torch_dtype": "bfloat16"}
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(compare) -> None:
+    # 2 (K, V) x 30 layers x 3 kv heads x 64 dims x 4 bytes: the 46080 octavo's own log states.
+    assert compare.kv_bytes_per_token(SMOLLM2, 4) == 46080
+    assert compare.kv_bytes_per_token(SMOLLM2, 2) == 23040
+    no_gqa = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2,
+              "head_dim": 32}
+    assert compare.kv_bytes_per_token(no_gqa, 2) == 2 * 2 * 4 * 32 * 2
+
+
+def test_kv_command_resolves_auto_to_the_checkpoint_dtype(compare, tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    assert compare.main(["kv", str(tmp_path), "--tokens", "1000"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto == {"tokens": 1000, "dtype": "bfloat16", "bytes_per_token": 23040,
+                    "bytes": 23_040_000}
+    compare.main(["kv", str(tmp_path), "--tokens", "1000", "--dtype", "float32"])
+    assert json.loads(capsys.readouterr().out)["bytes"] == 46_080_000
+
+
+def test_server_info_reads_what_each_server_logged(compare) -> None:
+    octavo_log = (
+        "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: dtype float32 (auto: the CPU has no "
+        "native bfloat16 (no AVX512-BF16/AMX), so float32)\n"
+        "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: KV cache: 2048 blocks x 16 tokens = "
+        "32768 tokens (1440.0 MiB, float32); 4 requests of max_model_len (8192) fit\n"
+    )
+    assert compare.server_info("octavo", octavo_log) == {"kv_tokens": 32768, "dtype": "float32"}
+    vllm_log = (
+        "INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m', "
+        "dtype=torch.float32, max_seq_len=8192\n"
+        "INFO [kv_cache_utils.py:2327] CPU KV cache size: 32,768 tokens, Maximum concurrency "
+        "for 8,192 tokens per request: 4.00x\n"
+    )
+    assert compare.server_info("vllm", vllm_log) == {"kv_tokens": 32768, "dtype": "float32"}
+    assert compare.server_info("vllm", "nothing useful") == {}
+    llama = compare.server_info("llamacpp", "", {"model_ftype": "BF16"})
+    assert llama == {"dtype": "BF16 weights, f16 KV"}
+
+
+def _result(out_tps: float, ttft_p99: float, itls: list[list[float]], completed: int = 8):
+    return {"completed": completed, "request_throughput": out_tps / 128,
+            "output_throughput": out_tps, "total_token_throughput": 3 * out_tps,
+            "median_ttft_ms": ttft_p99 / 2, "p99_ttft_ms": ttft_p99, "median_tpot_ms": 20.0,
+            "median_itl_ms": 19.0, "p99_itl_ms": 50.0, "itls": itls}
+
+
+def _write_run(directory: pathlib.Path, name: str, result: dict, meta: dict) -> None:
+    (directory / f"{name}.json").write_text(json.dumps(result))
+    (directory / f"{name}.meta.json").write_text(json.dumps(meta))
+
+
+def test_table_holds_medians_over_rounds_and_ratios_to_each_peer(compare, tmp_path) -> None:
+    meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "float32"}
+    _write_run(tmp_path, "A-octavo-r1", _result(150.0, 900.0, [[0.01, 0.30], [0.02]]),
+               {**meta, "rss_kib": 2048 * 1024, "pss_kib": 2000 * 1024})
+    _write_run(tmp_path, "A-octavo-r2", _result(170.0, 1100.0, [[0.01, 0.10], [0.04]]),
+               {**meta, "rss_kib": 3072 * 1024, "pss_kib": 3000 * 1024})
+    _write_run(tmp_path, "A-vllm-r1", _result(100.0, 2000.0, [[0.5]]), meta)
+    _write_run(tmp_path, "A-vllm-r2", _result(120.0, 2000.0, [[0.5]]), meta)
+    # A failed run (nothing completed) is listed but left out of the medians.
+    _write_run(tmp_path, "A-vllm-r3", _result(1.0, 1.0, [], completed=0), meta)
+    (tmp_path / "A-vllm-r1.props.json").write_text("{}")  # not a result: skipped
+    runs = compare.load_runs(tmp_path)
+    assert sorted(runs) == [("A", "octavo"), ("A", "vllm")] and len(runs[("A", "vllm")]) == 3
+
+    octavo = compare.medians(runs[("A", "octavo")])
+    assert octavo["out tok/s"] == pytest.approx(160.0)
+    assert octavo["TTFT p99"] == pytest.approx(1000.0)
+    # Max gap per stream: round 1 (300, 20) ms, round 2 (100, 40) ms; p50 over streams is the
+    # middle of two, then the median of the rounds.
+    assert octavo["max gap p50"] == pytest.approx(((300 + 20) / 2 + (100 + 40) / 2) / 2)
+    assert octavo["RSS MiB"] == pytest.approx(2560.0)
+    assert compare.medians(runs[("A", "vllm")])["out tok/s"] == pytest.approx(110.0)
+
+    table = compare.render_table(runs, "## header")
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:4]): line
+            for line in table.splitlines() if line.startswith("| A ")}
+    assert "| 160.0 |" in rows[("A", "octavo", "2")]
+    assert "| 110.0 |" in rows[("A", "vLLM", "2")]
+    ratio = rows[("A", "octavo/vLLM", "")].split("|")[4:]
+    assert ratio[1].strip() == f"{160 / 110:.2f}"  # out tok/s
+    assert ratio[4].strip() == f"{1000 / 2000:.2f}"  # TTFT p99
+    assert "| octavo | float32 | 32768 / 32768 | 2560 |" in table
+
+
+def test_replace_section_keeps_the_rest_of_the_document(compare) -> None:
+    document = f"# Benchmarks\n\nintro\n\n{compare.BEGIN}\nold table\n{compare.END}\n\n## Later\n"
+    updated = compare.replace_section(document, "new table\n")
+    assert updated == (f"# Benchmarks\n\nintro\n\n{compare.BEGIN}\nnew table\n{compare.END}"
+                       "\n\n## Later\n")
+    appended = compare.replace_section("# Benchmarks\n", "t\n")
+    assert appended == f"# Benchmarks\n\n{compare.BEGIN}\nt\n{compare.END}\n"
