@@ -238,3 +238,22 @@ def test_float32_panels_on_request_and_the_bench_runs(capsys):
     assert [row["rows"] for row in result["results"]] == [1, 7]
     for row in result["results"]:
         assert min(row["torch_fp32_ms"], row["packed_bf16_ms"], row["packed_fp32_ms"]) > 0
+
+
+def test_attention_bench_runs_for_each_batch_and_cache_dtype():
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--attention",
+         "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
+         "--seqs", "1,3", "--context-len", "37", "--repeats", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["context_len"] == 37
+    rows = [(row["seqs"], row["kv_dtype"]) for row in result["results"]]
+    assert rows == [(1, "float32"), (1, "bfloat16"), (3, "float32"), (3, "bfloat16")]
+    for row in result["results"]:
+        assert row["kernel_ms"] > 0 and row["reference_ms"] > 0

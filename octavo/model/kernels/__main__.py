@@ -1,5 +1,6 @@
 """`python -m octavo.model.kernels`: build the CPU kernels ahead of first use.
-`python -m octavo.model.kernels --bench [...]`: then time decode-sized matmuls (see bench.py)."""
+`python -m octavo.model.kernels --bench [...]`: then time decode-sized matmuls, or with
+`--attention` paged decode attention (see bench.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if len(sys.argv) > 1:
 
     parser = argparse.ArgumentParser(prog="python -m octavo.model.kernels")
     parser.add_argument("--bench", action="store_true", required=True,
-                        help="time torch's GEMM against the packed kernel")
+                        help="time the kernels against torch (matmuls; --attention: attention)")
     add_bench_args(parser)
     sys.exit(run_bench(parser.parse_args()))
 sys.exit(0 if kernels.available() else 1)

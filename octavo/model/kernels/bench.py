@@ -7,6 +7,11 @@ they stream from memory rather than sit in cache. For each row count: the time o
 all of them with torch's float32 GEMM (`F.linear`) and with the packed kernel on bfloat16 and on
 float32 panels (medians of `--repeats` passes), the best GFLOP/s, and the weight bytes per
 second the bf16 panels stream. Ends with one JSON line.
+
+With `--attention`, paged decode attention instead: for each number of sequences (`--seqs`, each
+`--context-len` tokens) and each cache dtype, one pass over `--layers` layers' caches (blocks
+of 16 tokens, shuffled as in a pool after some traffic), the kernel against the plain-torch
+reference (gather, then einsum and softmax), and the K/V bytes per second the kernel reads.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,8,32,64,96,128",
                         help="comma-separated numbers of rows (tokens) per matmul")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--attention", action="store_true",
+                        help="time paged decode attention instead of the matmuls")
+    parser.add_argument("--seqs", default="1,8,32",
+                        help="with --attention: comma-separated numbers of sequences")
+    parser.add_argument("--context-len", type=int, default=320,
+                        help="with --attention: tokens of context per sequence")
 
 
 def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
@@ -41,9 +52,58 @@ def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
             (2 * ns.intermediate_size, ns.hidden_size), (ns.hidden_size, ns.intermediate_size)]
 
 
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_attention_bench(ns: argparse.Namespace) -> int:
+    head_dim, block_size = ns.hidden_size // ns.num_heads, 16
+    blocks_per_seq = -(-ns.context_len // block_size)
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+          f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {ns.context_len} tokens "
+          "per sequence")
+    results = []
+    for seqs in [int(part) for part in ns.seqs.split(",") if part.strip()]:
+        num_blocks = seqs * blocks_per_seq
+        shape = (num_blocks, block_size, ns.num_kv_heads, head_dim)
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(seqs, -1)
+        lens = torch.full((seqs,), ns.context_len, dtype=torch.int32)
+        query = torch.randn(seqs, ns.num_heads, head_dim, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            caches = [(torch.randn(shape, generator=gen).to(dtype),
+                       torch.randn(shape, generator=gen).to(dtype)) for _ in range(ns.layers)]
+
+            def run(fn) -> None:
+                for key, value in caches:
+                    fn(query, key, value, table, lens, head_dim**-0.5)
+
+            kernel_ms = _median_ms(lambda: run(kernels.paged_decode_attention), ns.repeats)
+            reference_ms = _median_ms(lambda: run(kernels.paged_decode_attention_reference),
+                                      max(ns.repeats // 2, 1))
+            read = 2 * ns.layers * seqs * ns.context_len * ns.num_kv_heads * head_dim
+            row = {"seqs": seqs, "kv_dtype": str(dtype).removeprefix("torch."),
+                   "kernel_ms": round(kernel_ms, 2), "reference_ms": round(reference_ms, 2),
+                   "kernel_gb_s": round(read * dtype.itemsize / (kernel_ms * 1e-3) / 1e9, 1)}
+            results.append(row)
+            print(f"{seqs:4d} seqs, {row['kv_dtype']:8s} cache: kernel {kernel_ms:8.2f} ms, "
+                  f"reference {reference_ms:8.2f} ms; kernel reads {row['kernel_gb_s']:5.1f} "
+                  "GB/s", flush=True)
+    print(json.dumps({"layers": ns.layers, "context_len": ns.context_len, "results": results}))
+    return 0
+
+
 def run_bench(ns: argparse.Namespace) -> int:
     if not kernels.available():
         raise SystemExit("the CPU kernels are not available here (see the log above)")
+    if ns.attention:
+        return run_attention_bench(ns)
     rows_list = [int(part) for part in ns.rows.split(",") if part.strip()]
     gen = torch.Generator().manual_seed(0)
     shapes = _layer_shapes(ns) * ns.layers
