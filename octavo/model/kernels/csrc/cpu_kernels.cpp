@@ -145,61 +145,78 @@ inline void for_each_token_row(const cache_t* base, const int32_t* blocks, int64
   }
 }
 
+// What both versions read from their arguments: shapes, pointers, and the split into work items.
+//   query, out: (num_seqs, num_heads, head_dim) float32
+//   key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)
+//   block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,) int32
 template <typename cache_t>
-void paged_decode_attention_generic(at::Tensor& out, const at::Tensor& query,
-                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 double scale) {
-  // query, out: (num_seqs, num_heads, head_dim) float32
-  // key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)
-  // block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,) int32
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t slot_stride = num_kv_heads * head_dim;  // between consecutive tokens
-
-  const float* q_base = query.data_ptr<float>();
-  float* out_base = out.data_ptr<float>();
-  const cache_t* k_base = key_cache.data_ptr<cache_t>();
-  const cache_t* v_base = value_cache.data_ptr<cache_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
-
+struct PagedArgs {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
+  int64_t slot_stride;  // between consecutive tokens
+  const float* q_base;
+  float* out_base;
+  const cache_t* k_base;
+  const cache_t* v_base;
+  const int32_t* table;
+  const int32_t* lens;
   // A work item is one sequence and a run of its kv heads: all of them when there are enough
   // sequences to keep every thread busy, so each token's K/V row (all heads, contiguous) is
   // read once while it is in cache; else one kv head, to spread a few long sequences.
-  const int64_t kv_per_item =
-      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / kv_per_item;
-  const int64_t heads_per_item = kv_per_item * group;
+  int64_t kv_per_item, items_per_seq, heads_per_item;
 
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  PagedArgs(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+            const at::Tensor& value_cache, const at::Tensor& block_table,
+            const at::Tensor& seq_lens)
+      : num_seqs(query.size(0)),
+        num_heads(query.size(1)),
+        head_dim(query.size(2)),
+        block_size(key_cache.size(1)),
+        num_kv_heads(key_cache.size(2)),
+        group(num_heads / num_kv_heads),
+        max_blocks(block_table.size(1)),
+        slot_stride(num_kv_heads * head_dim),
+        q_base(query.data_ptr<float>()),
+        out_base(out.data_ptr<float>()),
+        k_base(key_cache.data_ptr<cache_t>()),
+        v_base(value_cache.data_ptr<cache_t>()),
+        table(block_table.data_ptr<int32_t>()),
+        lens(seq_lens.data_ptr<int32_t>()),
+        kv_per_item(num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1),
+        items_per_seq(num_kv_heads / kv_per_item),
+        heads_per_item(kv_per_item * group) {}
+};
+
+template <typename cache_t>
+void paged_decode_attention_generic(at::Tensor& out, const at::Tensor& query,
+                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                    double scale) {
+  const PagedArgs<cache_t> a(out, query, key_cache, value_cache, block_table, seq_lens);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // (heads_per_item, seq_len), reused across the range
     std::vector<float> acc;     // (heads_per_item, head_dim)
-    std::vector<int64_t> row_offset(heads_per_item);  // query head -> its kv head in a row
-    for (int64_t h = 0; h < heads_per_item; ++h) row_offset[h] = (h / group) * head_dim;
+    std::vector<int64_t> row_offset(a.heads_per_item);  // query head -> its kv head in a row
+    for (int64_t h = 0; h < a.heads_per_item; ++h) row_offset[h] = (h / a.group) * a.head_dim;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t kv_first = (item % items_per_seq) * kv_per_item;
-      const int64_t seq_len = lens[seq];
-      const int32_t* blocks = table + seq * max_blocks;
-      const float* q = q_base + (seq * num_heads + kv_first * group) * head_dim;
-      scores.resize(heads_per_item * seq_len);
+      const int64_t seq = item / a.items_per_seq;
+      const int64_t kv_first = (item % a.items_per_seq) * a.kv_per_item;
+      const int64_t seq_len = a.lens[seq];
+      const int32_t* blocks = a.table + seq * a.max_blocks;
+      const float* q = a.q_base + (seq * a.num_heads + kv_first * a.group) * a.head_dim;
+      scores.resize(a.heads_per_item * seq_len);
       // Scores; each key row is read once for every query head it serves.
-      for_each_token_row(k_base, blocks, seq_len, block_size, slot_stride, kv_first * head_dim,
+      for_each_token_row(a.k_base, blocks, seq_len, a.block_size, a.slot_stride,
+                         kv_first * a.head_dim,
                          [&](int64_t t, const cache_t* k) {
-                           for (int64_t h = 0; h < heads_per_item; ++h) {
+                           for (int64_t h = 0; h < a.heads_per_item; ++h) {
                              scores[h * seq_len + t] =
-                                 dot(q + h * head_dim, k + row_offset[h], head_dim) * fscale;
+                                 dot(q + h * a.head_dim, k + row_offset[h], a.head_dim) * fscale;
                            }
                          });
       // Softmax per head, in float32.
-      for (int64_t h = 0; h < heads_per_item; ++h) {
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
         float max_score = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
@@ -207,15 +224,16 @@ void paged_decode_attention_generic(at::Tensor& out, const at::Tensor& query,
         for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
       }
       // Weighted values, again one read of each value row for all its heads.
-      acc.assign(heads_per_item * head_dim, 0.f);
-      for_each_token_row(v_base, blocks, seq_len, block_size, slot_stride, kv_first * head_dim,
+      acc.assign(a.heads_per_item * a.head_dim, 0.f);
+      for_each_token_row(a.v_base, blocks, seq_len, a.block_size, a.slot_stride,
+                         kv_first * a.head_dim,
                          [&](int64_t t, const cache_t* v) {
-                           for (int64_t h = 0; h < heads_per_item; ++h) {
-                             axpy(acc.data() + h * head_dim, scores[h * seq_len + t],
-                                  v + row_offset[h], head_dim);
+                           for (int64_t h = 0; h < a.heads_per_item; ++h) {
+                             axpy(acc.data() + h * a.head_dim, scores[h * seq_len + t],
+                                  v + row_offset[h], a.head_dim);
                            }
                          });
-      float* out_row = out_base + (seq * num_heads + kv_first * group) * head_dim;
+      float* out_row = a.out_base + (seq * a.num_heads + kv_first * a.group) * a.head_dim;
       std::copy(acc.begin(), acc.end(), out_row);
     }
   });
@@ -309,64 +327,44 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   double scale) {
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t slot_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * slot_stride;
-
-  const float* q_base = query.data_ptr<float>();
-  float* out_base = out.data_ptr<float>();
-  const cache_t* k_base = key_cache.data_ptr<cache_t>();
-  const cache_t* v_base = value_cache.data_ptr<cache_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const PagedArgs<cache_t> a(out, query, key_cache, value_cache, block_table, seq_lens);
+  const int64_t block_stride = a.block_size * a.slot_stride;
+  const int64_t item_width = a.kv_per_item * a.head_dim;  // elements of a token row an item reads
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
 
-  // Work items as in the generic version: a sequence and all its kv heads when there are enough
-  // sequences for every thread, else a sequence and one kv head.
-  const int64_t kv_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / kv_per_item;
-  const int64_t heads_per_item = kv_per_item * group;
-  const int64_t item_width = kv_per_item * head_dim;  // elements of a token row an item reads
-
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // (heads_per_item, seq_len)
     std::vector<float> acc;     // (heads_per_item, head_dim)
-    std::vector<float> inv_sum(heads_per_item);
-    std::vector<__m256> partial(heads_per_item * 8, _mm256_setzero_ps());  // (head, token)
+    std::vector<float> inv_sum(a.heads_per_item);
+    std::vector<__m256> partial(a.heads_per_item * 8, _mm256_setzero_ps());  // (head, token)
     alignas(32) float lanes[8];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t offset = (item % items_per_seq) * item_width;  // first kv head's column
-      const int64_t seq_len = lens[seq];
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-      const int32_t* blocks = table + seq * max_blocks;
-      const float* q = q_base + (seq * num_heads) * head_dim + offset * group;
-      scores.resize(heads_per_item * seq_len);
+      const int64_t seq = item / a.items_per_seq;
+      const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
+      const int64_t seq_len = a.lens[seq];
+      const int64_t num_blocks = (seq_len + a.block_size - 1) / a.block_size;
+      const int32_t* blocks = a.table + seq * a.max_blocks;
+      const float* q = a.q_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
+      scores.resize(a.heads_per_item * seq_len);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t start = b * block_size, n = std::min(block_size, seq_len - start);
-        const cache_t* block = k_base + blocks[b] * block_stride + offset;
+        const int64_t start = b * a.block_size, n = std::min(a.block_size, seq_len - start);
+        const cache_t* block = a.k_base + blocks[b] * block_stride + offset;
         if (b + 1 < num_blocks) {
-          prefetch_rows(k_base + blocks[b + 1] * block_stride + offset,
-                        std::min(block_size, seq_len - start - block_size), slot_stride,
+          prefetch_rows(a.k_base + blocks[b + 1] * block_stride + offset,
+                        std::min(a.block_size, seq_len - start - a.block_size), a.slot_stride,
                         item_width);
         }
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
           const int64_t nt = std::min<int64_t>(8, n - t0);
           // Each token's row is read once, front to back, for all the item's heads.
           for (int64_t t = 0; t < nt; ++t) {
-            const cache_t* k = block + (t0 + t) * slot_stride;
-            for (int64_t h = 0; h < heads_per_item; ++h) {
-              partial[h * 8 + t] = dot_lanes(q + h * head_dim, k + (h / group) * head_dim,
-                                             head_dim);
+            const cache_t* k = block + (t0 + t) * a.slot_stride;
+            for (int64_t h = 0; h < a.heads_per_item; ++h) {
+              partial[h * 8 + t] = dot_lanes(q + h * a.head_dim, k + (h / a.group) * a.head_dim,
+                                             a.head_dim);
             }
           }
-          for (int64_t h = 0; h < heads_per_item; ++h) {
+          for (int64_t h = 0; h < a.heads_per_item; ++h) {
             const __m256* p = partial.data() + h * 8;
             const __m256 s =
                 _mm256_mul_ps(hsum8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]), vscale);
@@ -380,30 +378,30 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
           }
         }
       }
-      for (int64_t h = 0; h < heads_per_item; ++h) {
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
         float max_score = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
-      acc.assign(heads_per_item * head_dim, 0.f);
+      acc.assign(a.heads_per_item * a.head_dim, 0.f);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t start = b * block_size, n = std::min(block_size, seq_len - start);
-        const cache_t* block = v_base + blocks[b] * block_stride + offset;
+        const int64_t start = b * a.block_size, n = std::min(a.block_size, seq_len - start);
+        const cache_t* block = a.v_base + blocks[b] * block_stride + offset;
         if (b + 1 < num_blocks) {
-          prefetch_rows(v_base + blocks[b + 1] * block_stride + offset,
-                        std::min(block_size, seq_len - start - block_size), slot_stride,
+          prefetch_rows(a.v_base + blocks[b + 1] * block_stride + offset,
+                        std::min(a.block_size, seq_len - start - a.block_size), a.slot_stride,
                         item_width);
         }
-        for (int64_t h = 0; h < heads_per_item; ++h) {
-          weighted_rows(acc.data() + h * head_dim, scores.data() + h * seq_len + start,
-                        block + (h / group) * head_dim, slot_stride, n, head_dim);
+        for (int64_t h = 0; h < a.heads_per_item; ++h) {
+          weighted_rows(acc.data() + h * a.head_dim, scores.data() + h * seq_len + start,
+                        block + (h / a.group) * a.head_dim, a.slot_stride, n, a.head_dim);
         }
       }
-      float* out_row = out_base + (seq * num_heads) * head_dim + offset * group;
-      for (int64_t h = 0; h < heads_per_item; ++h) {
-        for (int64_t i = 0; i < head_dim; ++i) {
-          out_row[h * head_dim + i] = acc[h * head_dim + i] * inv_sum[h];
+      float* out_row = a.out_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        for (int64_t i = 0; i < a.head_dim; ++i) {
+          out_row[h * a.head_dim + i] = acc[h * a.head_dim + i] * inv_sum[h];
         }
       }
     }
