@@ -317,6 +317,23 @@ inline void prefetch_rows(const cache_t* row, int64_t n, int64_t stride, int64_t
   }
 }
 
+// fn(start, n, block) for each block of a sequence whose cache blocks are `blocks`: its first
+// token, its number of tokens and its first row in `base` plus `offset`. The next block's rows
+// (`width` elements each) are prefetched first.
+template <typename cache_t, typename Fn>
+inline void for_each_block(const cache_t* base, const int32_t* blocks, int64_t seq_len,
+                           int64_t block_size, int64_t slot_stride, int64_t offset, int64_t width,
+                           Fn&& fn) {
+  const int64_t block_stride = block_size * slot_stride;
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    if (start + block_size < seq_len) {
+      prefetch_rows(base + blocks[b + 1] * block_stride + offset,
+                    std::min(block_size, seq_len - start - block_size), slot_stride, width);
+    }
+    fn(start, std::min(block_size, seq_len - start), base + blocks[b] * block_stride + offset);
+  }
+}
+
 // The AVX2 version for head_dim a multiple of 8. Scores: key rows are read in order, and each
 // head's eight-lane partial dot products of eight tokens are reduced together (hsum8), not one
 // reduction per dot product. Values: a block's rows are added with broadcast weights into
@@ -328,7 +345,6 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   double scale) {
   const PagedArgs<cache_t> a(out, query, key_cache, value_cache, block_table, seq_lens);
-  const int64_t block_stride = a.block_size * a.slot_stride;
   const int64_t item_width = a.kv_per_item * a.head_dim;  // elements of a token row an item reads
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
 
@@ -342,18 +358,11 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
       const int64_t seq = item / a.items_per_seq;
       const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
       const int64_t seq_len = a.lens[seq];
-      const int64_t num_blocks = (seq_len + a.block_size - 1) / a.block_size;
       const int32_t* blocks = a.table + seq * a.max_blocks;
       const float* q = a.q_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
       scores.resize(a.heads_per_item * seq_len);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t start = b * a.block_size, n = std::min(a.block_size, seq_len - start);
-        const cache_t* block = a.k_base + blocks[b] * block_stride + offset;
-        if (b + 1 < num_blocks) {
-          prefetch_rows(a.k_base + blocks[b + 1] * block_stride + offset,
-                        std::min(a.block_size, seq_len - start - a.block_size), a.slot_stride,
-                        item_width);
-        }
+      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset, item_width,
+                     [&](int64_t start, int64_t n, const cache_t* block) {
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
           const int64_t nt = std::min<int64_t>(8, n - t0);
           // Each token's row is read once, front to back, for all the item's heads.
@@ -377,7 +386,7 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
             }
           }
         }
-      }
+      });
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
         float max_score = -std::numeric_limits<float>::infinity();
@@ -385,19 +394,13 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
       acc.assign(a.heads_per_item * a.head_dim, 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t start = b * a.block_size, n = std::min(a.block_size, seq_len - start);
-        const cache_t* block = a.v_base + blocks[b] * block_stride + offset;
-        if (b + 1 < num_blocks) {
-          prefetch_rows(a.v_base + blocks[b + 1] * block_stride + offset,
-                        std::min(a.block_size, seq_len - start - a.block_size), a.slot_stride,
-                        item_width);
-        }
+      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset, item_width,
+                     [&](int64_t start, int64_t n, const cache_t* block) {
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
           weighted_rows(acc.data() + h * a.head_dim, scores.data() + h * seq_len + start,
                         block + (h / a.group) * a.head_dim, a.slot_stride, n, a.head_dim);
         }
-      }
+      });
       float* out_row = a.out_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         for (int64_t i = 0; i < a.head_dim; ++i) {
@@ -409,29 +412,33 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
 }
 #endif
 
+// The AVX2 version where head_dim allows it, else the generic loops.
+template <typename cache_t>
+void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 double scale) {
+#ifdef OCTAVO_AVX2
+  if (query.size(2) % 8 == 0) {
+    paged_decode_attention_tiled<cache_t>(out, query, key_cache, value_cache, block_table,
+                                          seq_lens, scale);
+    return;
+  }
+#endif
+  paged_decode_attention_generic<cache_t>(out, query, key_cache, value_cache, block_table,
+                                          seq_lens, scale);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale) {
   at::Tensor out = at::empty_like(query);
-  const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
-#ifdef OCTAVO_AVX2
-  if (query.size(2) % 8 == 0) {
-    if (bf16) {
-      paged_decode_attention_tiled<c10::BFloat16>(out, query, key_cache, value_cache,
-                                                  block_table, seq_lens, scale);
-    } else {
-      paged_decode_attention_tiled<float>(out, query, key_cache, value_cache, block_table,
-                                          seq_lens, scale);
-    }
-    return out;
-  }
-#endif
-  if (bf16) {
-    paged_decode_attention_generic<c10::BFloat16>(out, query, key_cache, value_cache,
-                                                  block_table, seq_lens, scale);
+  if (key_cache.scalar_type() == at::kBFloat16) {
+    paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
+                                               seq_lens, scale);
   } else {
-    paged_decode_attention_generic<float>(out, query, key_cache, value_cache, block_table,
-                                          seq_lens, scale);
+    paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
+                                       seq_lens, scale);
   }
   return out;
 }
