@@ -317,28 +317,27 @@ inline void prefetch_rows(const cache_t* row, int64_t n, int64_t stride, int64_t
   }
 }
 
-// fn(start, n, block) for each block of a sequence whose cache blocks are `blocks`: its first
-// token, its number of tokens and its first row in `base` plus `offset`. The next block's rows
-// (`width` elements each) are prefetched first.
+// fn(start, n, block, next, n_next) for each block of a sequence whose cache blocks are
+// `blocks`: its first token, its number of tokens, its first row in `base` plus `offset`, and the
+// same for the next block (n_next 0 at the last), whose rows fn prefetches as it goes.
 template <typename cache_t, typename Fn>
 inline void for_each_block(const cache_t* base, const int32_t* blocks, int64_t seq_len,
-                           int64_t block_size, int64_t slot_stride, int64_t offset, int64_t width,
-                           Fn&& fn) {
+                           int64_t block_size, int64_t slot_stride, int64_t offset, Fn&& fn) {
   const int64_t block_stride = block_size * slot_stride;
   for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-    if (start + block_size < seq_len) {
-      prefetch_rows(base + blocks[b + 1] * block_stride + offset,
-                    std::min(block_size, seq_len - start - block_size), slot_stride, width);
-    }
-    fn(start, std::min(block_size, seq_len - start), base + blocks[b] * block_stride + offset);
+    const int64_t n_next = std::max<int64_t>(0, std::min(block_size, seq_len - start - block_size));
+    const cache_t* next = n_next > 0 ? base + blocks[b + 1] * block_stride + offset : nullptr;
+    fn(start, std::min(block_size, seq_len - start), base + blocks[b] * block_stride + offset, next,
+       n_next);
   }
 }
 
 // The AVX2 version for head_dim a multiple of 8. Scores: key rows are read in order, and each
 // head's eight-lane partial dot products of eight tokens are reduced together (hsum8), not one
 // reduction per dot product. Values: a block's rows are added with broadcast weights into
-// register accumulators (weighted_rows). The next block is prefetched; the softmax is normalised
-// once, on the output.
+// register accumulators (weighted_rows). The next block is prefetched a row or two at a time as
+// the current one is read (the whole block at once measured ~15% slower at 32 sequences); the
+// softmax is normalised once, on the output.
 template <typename cache_t>
 void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -361,13 +360,17 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
       const int32_t* blocks = a.table + seq * a.max_blocks;
       const float* q = a.q_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
       scores.resize(a.heads_per_item * seq_len);
-      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset, item_width,
-                     [&](int64_t start, int64_t n, const cache_t* block) {
+      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
+                         int64_t n_next) {
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
           const int64_t nt = std::min<int64_t>(8, n - t0);
           // Each token's row is read once, front to back, for all the item's heads.
           for (int64_t t = 0; t < nt; ++t) {
             const cache_t* k = block + (t0 + t) * a.slot_stride;
+            if (t0 + t < n_next) {  // the same row of the next block, one row at a time
+              prefetch_rows(next + (t0 + t) * a.slot_stride, 1, a.slot_stride, item_width);
+            }
             for (int64_t h = 0; h < a.heads_per_item; ++h) {
               partial[h * 8 + t] = dot_lanes(q + h * a.head_dim, k + (h / a.group) * a.head_dim,
                                              a.head_dim);
@@ -394,9 +397,14 @@ void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
       acc.assign(a.heads_per_item * a.head_dim, 0.f);
-      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset, item_width,
-                     [&](int64_t start, int64_t n, const cache_t* block) {
+      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
+                         int64_t n_next) {
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
+          // This head's share of the next block's rows, so that requests spread over the block.
+          const int64_t r0 = h * n_next / a.heads_per_item;
+          const int64_t r1 = (h + 1) * n_next / a.heads_per_item;
+          if (r1 > r0) prefetch_rows(next + r0 * a.slot_stride, r1 - r0, a.slot_stride, item_width);
           weighted_rows(acc.data() + h * a.head_dim, scores.data() + h * seq_len + start,
                         block + (h / a.group) * a.head_dim, a.slot_stride, n, a.head_dim);
         }
