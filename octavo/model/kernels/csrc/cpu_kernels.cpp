@@ -187,11 +187,7 @@ struct PagedArgs {
 };
 
 template <typename cache_t>
-void paged_decode_attention_generic(at::Tensor& out, const at::Tensor& query,
-                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                    double scale) {
-  const PagedArgs<cache_t> a(out, query, key_cache, value_cache, block_table, seq_lens);
+void paged_decode_attention_generic(const PagedArgs<cache_t>& a, double scale) {
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
@@ -339,11 +335,7 @@ inline void for_each_block(const cache_t* base, const int32_t* blocks, int64_t s
 // the current one is read (the whole block at once measured ~15% slower at 32 sequences); the
 // softmax is normalised once, on the output.
 template <typename cache_t>
-void paged_decode_attention_tiled(at::Tensor& out, const at::Tensor& query,
-                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                  double scale) {
-  const PagedArgs<cache_t> a(out, query, key_cache, value_cache, block_table, seq_lens);
+void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
   const int64_t item_width = a.kv_per_item * a.head_dim;  // elements of a token row an item reads
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
 
@@ -426,15 +418,14 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
                                  double scale) {
+  const PagedArgs<cache_t> args(out, query, key_cache, value_cache, block_table, seq_lens);
 #ifdef OCTAVO_AVX2
-  if (query.size(2) % 8 == 0) {
-    paged_decode_attention_tiled<cache_t>(out, query, key_cache, value_cache, block_table,
-                                          seq_lens, scale);
+  if (args.head_dim % 8 == 0) {
+    paged_decode_attention_tiled(args, scale);
     return;
   }
 #endif
-  paged_decode_attention_generic<cache_t>(out, query, key_cache, value_cache, block_table,
-                                          seq_lens, scale);
+  paged_decode_attention_generic(args, scale);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
