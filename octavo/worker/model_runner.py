@@ -59,9 +59,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             model_config, cache_config.num_blocks, cache_config.block_size, kv_cache_dtype, device
         )
-        # The paged decode kernel reads float32 and bfloat16 caches; others (float16) go
+        # The paged attention kernels read float32 and bfloat16 caches; others (float16) go
         # through gathered blocks and SDPA.
-        self.paged_decode = None if kernels.reads_cache_dtype(kv_cache_dtype) else False
+        self.paged_kernels = None if kernels.reads_cache_dtype(kv_cache_dtype) else False
         max_model_len = scheduler_config.max_model_len
         max_blocks_per_req = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -143,7 +143,7 @@ class ModelRunner:
             slot_mapping=self._to_device(np.concatenate(slot_chunks)),
             block_table=self._to_device(block_table),
             block_size=self.block_size,
-            paged_decode=self.paged_decode,
+            paged_kernels=self.paged_kernels,
         )
         return StepInputs(
             input_ids=self._to_device(np.concatenate(token_chunks)),

@@ -53,6 +53,59 @@ def test_paged_decode_attention_of_one_key_is_its_value():
         torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
 
 
+def _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """chunks: (query_len, seq_len) each. Their rows sit in a flat batch after one unrelated row
+    and with one between each pair (as decodes would), keys in shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-seq_len // block_size) for _, seq_len in chunks)
+    num_blocks = len(chunks) * max_blocks + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)[: len(chunks) * max_blocks]
+    block_table = order.view(len(chunks), max_blocks).to(torch.int32)
+    starts, row = [], 1
+    for q_len, _ in chunks:
+        starts.append(row)
+        row += q_len + 1
+    query = torch.randn(row, num_heads, head_dim, generator=gen)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    lens = ints([q for q, _ in chunks]), ints([s for _, s in chunks])
+    return query, key_cache, value_cache, block_table, ints(starts), *lens
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (10, 2, 40, 5), (2, 1, 20, 3)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head_dim,
+                                                   block_size, dtype):
+    # Whole prompts (one longer than a query tile and a key step), chunks after a cached prefix
+    # (starting mid-block), and a one-token chunk.
+    chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77)]
+    query, *args = _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                   seed=num_heads + head_dim)
+    out = torch.full_like(query, 7.0)
+    expected = torch.full_like(query, 7.0)
+    kernels.paged_prefill_attention(out, query, *args, scale=head_dim**-0.5)
+    kernels.paged_prefill_attention_reference(expected, query, *args, scale=head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    # Rows between the chunks are not touched.
+    assert bool((out[[0, 101, 139, 141, 147]] == 7.0).all())
+
+
+def test_paged_prefill_attention_first_query_sees_only_the_first_key():
+    query, key_cache, value_cache, block_table, *rest = _prefill_inputs(
+        [(6, 6)], 4, 2, 8, 4, torch.float32, seed=1
+    )
+    out = torch.zeros_like(query)
+    kernels.paged_prefill_attention(out, query, key_cache, value_cache, block_table, *rest,
+                                    scale=1.0)
+    first = value_cache[block_table[0, 0].long(), 0]  # (kv_heads, head_dim)
+    torch.testing.assert_close(out[1], first.repeat_interleave(2, dim=0))
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 64, 115])
 @pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536), (16, 1)])
 @pytest.mark.parametrize("exact_bf16", [False, True])

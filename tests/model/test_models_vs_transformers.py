@@ -224,7 +224,7 @@ def test_kv_cache_layout_and_size():
     assert kv_cache_bytes_per_token(config, torch.float32) == 512
 
 
-def _mixed_metadata(paged_decode: bool) -> AttentionMetadata:
+def _mixed_metadata(paged_kernels: bool) -> AttentionMetadata:
     """Decodes (requests 0 and 2) around a fresh 3-token prompt (request 1), block size 4."""
     return AttentionMetadata(
         query_start_loc=[0, 1, 4, 5],
@@ -232,12 +232,12 @@ def _mixed_metadata(paged_decode: bool) -> AttentionMetadata:
         slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
         block_table=torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32),
         block_size=4,
-        paged_decode=paged_decode,
+        paged_kernels=paged_kernels,
     )
 
 
 def test_attention_metadata_derives_plan_from_runner_fields():
-    metadata = _mixed_metadata(paged_decode=False)
+    metadata = _mixed_metadata(paged_kernels=False)
     assert metadata.query_lens == [1, 3, 1]
     assert (metadata.num_reqs, metadata.num_tokens) == (3, 5)
     assert (metadata.max_query_len, metadata.max_seq_len) == (3, 9)
@@ -258,12 +258,22 @@ def test_attention_metadata_derives_plan_from_runner_fields():
 
 
 def test_attention_metadata_plans_kernel_decodes_without_gather_indices():
-    decode = _mixed_metadata(paged_decode=True).decode
+    decode = _mixed_metadata(paged_kernels=True).decode
     assert decode.req_idx == [0, 2] and decode.token_idx.tolist() == [0, 4]
     assert decode.block_table.dtype == torch.int32 and decode.block_table.is_contiguous()
     assert decode.block_table.tolist() == [[3, 1, 0], [4, 5, 6]]
     assert decode.seq_lens.tolist() == [6, 9]
     assert decode.block_ids is None and decode.key_mask is None
+
+
+def test_attention_metadata_plans_kernel_chunks_together():
+    metadata = _mixed_metadata(paged_kernels=True)
+    prefill = metadata.prefill
+    assert metadata.chunks == []
+    assert prefill.block_table.dtype == torch.int32 and prefill.block_table.tolist() == [[2]]
+    assert prefill.query_start.tolist() == [1] and prefill.query_lens.tolist() == [3]
+    assert prefill.seq_lens.tolist() == [3]
+    assert _mixed_metadata(paged_kernels=False).prefill is None
 
 
 def test_attention_metadata_rejects_inconsistent_fields():

@@ -85,9 +85,10 @@ class PagedHarness:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        # "sdpa-gather": the sdpa backend with decodes through gathered blocks, not the kernel.
+        # "sdpa-gather": the sdpa backend with decodes and chunks through gathered blocks and
+        # SDPA, not the paged kernels.
         self.backend = "sdpa" if backend == "sdpa-gather" else backend
-        self.paged_decode = False if backend == "sdpa-gather" else None
+        self.paged_kernels = False if backend == "sdpa-gather" else None
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu")
         # Shuffled, so that a request's blocks are neither contiguous nor in order.
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -130,7 +131,7 @@ class PagedHarness:
             block_table=block_table,
             block_size=self.block_size,
             backend=self.backend,
-            paged_decode=self.paged_decode,
+            paged_kernels=self.paged_kernels,
         )
         with torch.inference_mode():
             hidden = self.model(

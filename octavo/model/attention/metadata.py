@@ -49,6 +49,18 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Every request with several query tokens, attended together by the paged prefill kernel,
+    which reads their keys in place: (num_chunks, max_num_blocks) int32 block ids and
+    (num_chunks,) int32 first rows in the flat batch, query lengths and sequence lengths."""
+
+    block_table: Tensor
+    query_start: Tensor
+    query_lens: Tensor
+    seq_lens: Tensor
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     """One request with several query tokens (a whole prompt or a chunk of one)."""
 
@@ -72,9 +84,10 @@ class AttentionMetadata:
     block_table: Tensor  # (num_reqs, max_blocks_per_req) int32, request i's block ids, 0-padded
     block_size: int
     backend: AttentionBackendName = "sdpa"
-    # sdpa backend: decodes through the paged decode kernel (True), gathered blocks and SDPA
-    # (False), or the kernel where it is built and the tensors are on a CPU (None).
-    paged_decode: bool | None = None
+    # sdpa backend: decodes and prompt chunks through the paged kernels (True), through gathered
+    # blocks and SDPA (False), or the kernels where they are built and the tensors are on a CPU
+    # (None).
+    paged_kernels: bool | None = None
 
     # Derived, never passed in.
     num_reqs: int = field(init=False)
@@ -84,6 +97,9 @@ class AttentionMetadata:
     max_seq_len: int = field(init=False)
     is_all_decode: bool = field(init=False)
     decode: DecodeBatch | None = field(init=False, repr=False)
+    # Requests with several query tokens: all in `prefill` on the kernel path, else one
+    # PrefillChunk each in `chunks`.
+    prefill: PrefillBatch | None = field(init=False, repr=False)
     chunks: list[PrefillChunk] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,10 +113,14 @@ class AttentionMetadata:
         self.is_all_decode = self.max_query_len == 1
         self._validate()
         self.decode = None
+        self.prefill = None
         self.chunks = []
         if self.backend == "sdpa":
-            self._plan_decodes()
-            self._plan_chunks()
+            paged = self.paged_kernels
+            if paged is None:
+                paged = self.block_table.device.type == "cpu" and kernels.available()
+            self._plan_decodes(paged)
+            self._plan_chunks(paged)
 
     def _validate(self) -> None:
         if len(self.query_start_loc) != self.num_reqs + 1 or self.query_start_loc[0] != 0:
@@ -130,7 +150,7 @@ class AttentionMetadata:
         block_ids = block_rows[:, positions // self.block_size].long()
         return block_ids * self.block_size + positions % self.block_size
 
-    def _plan_decodes(self) -> None:
+    def _plan_decodes(self, paged: bool) -> None:
         req_idx = [i for i, q_len in enumerate(self.query_lens) if q_len == 1]
         if not req_idx:
             return
@@ -141,16 +161,13 @@ class AttentionMetadata:
         else:
             token_idx = torch.tensor([self.query_start_loc[i] for i in req_idx], device=device)
             rows = self.block_table[torch.tensor(req_idx, device=device)]
-        paged = self.paged_decode
-        if paged is None:
-            paged = device.type == "cpu" and kernels.available()
         if paged:
             self.decode = DecodeBatch(
                 req_idx=req_idx,
                 token_idx=token_idx,
                 max_num_blocks=max_num_blocks,
                 block_table=rows[:, :max_num_blocks].to(torch.int32).contiguous(),
-                seq_lens=torch.tensor([self.seq_lens[i] for i in req_idx], dtype=torch.int32),
+                seq_lens=_int32([self.seq_lens[i] for i in req_idx]),
             )
             return
         seq_lens = torch.tensor([self.seq_lens[i] for i in req_idx], device=device)
@@ -164,8 +181,20 @@ class AttentionMetadata:
             key_mask=key_mask[:, None, None, :],  # (num_decodes, 1, 1, max_len)
         )
 
-    def _plan_chunks(self) -> None:
+    def _plan_chunks(self, paged: bool) -> None:
         device = self.block_table.device
+        if paged:
+            req_idx = [i for i, q_len in enumerate(self.query_lens) if q_len > 1]
+            if req_idx:
+                max_num_blocks = -(-max(self.seq_lens[i] for i in req_idx) // self.block_size)
+                rows = self.block_table[torch.tensor(req_idx, device=device)]
+                self.prefill = PrefillBatch(
+                    block_table=rows[:, :max_num_blocks].to(torch.int32).contiguous(),
+                    query_start=_int32([self.query_start_loc[i] for i in req_idx]),
+                    query_lens=_int32([self.query_lens[i] for i in req_idx]),
+                    seq_lens=_int32([self.seq_lens[i] for i in req_idx]),
+                )
+            return
         for i, q_len in enumerate(self.query_lens):
             if q_len == 1:
                 continue
@@ -177,3 +206,8 @@ class AttentionMetadata:
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (q_len, seq_len)
             self.chunks.append(PrefillChunk(i, start, start + q_len, kv_slots, mask))
+
+
+def _int32(values: list[int]) -> Tensor:
+    """A host int32 tensor, as the CPU kernels read their lengths and offsets."""
+    return torch.tensor(values, dtype=torch.int32)

@@ -4,8 +4,11 @@ Two shapes of work, planned once per forward in AttentionMetadata:
 - every single-token (decode) request together: on a CPU with the kernels built, the paged
   decode kernel reads each request's blocks in place; otherwise one padded SDPA call over keys
   gathered from the cache into (num_decodes, max_seq_len), padding hidden by a key mask;
-- each multi-token chunk in its own SDPA call: plain causal over this step's k/v when the chunk is
-  the whole sequence, else keys gathered from the cache with a causal mask shifted by the prefix.
+- every multi-token chunk (a prompt, or the part of one after its cached prefix): on a CPU with
+  the kernels built, all of them in one call of the paged prefill kernel, which reads their keys
+  in place; otherwise each in its own SDPA call: plain causal over this step's k/v when the chunk
+  is the whole sequence, else keys gathered from the cache with a causal mask shifted by the
+  prefix.
 Decodes and chunks are kept apart because padding a decode to a chunk's query length (or a chunk
 to the longest one) would multiply the work. GQA is left to SDPA (`enable_gqa`). No host syncs:
 every shape comes from the metadata's Python ints. Must not write to the cache.
@@ -13,6 +16,7 @@ every shape comes from the metadata's Python ints. Must not write to the cache.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -31,17 +35,26 @@ def sdpa_attention(
     """query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads,
     head_dim), this step's (already in the cache); kv_cache: (2, num_blocks, block_size,
     num_kv_heads, head_dim). Returns (num_tokens, num_heads, head_dim) in query's dtype."""
-    decode = metadata.decode
+    decode, prefill = metadata.decode, metadata.prefill
     if decode is not None and decode.token_idx is None:
         # All rows are decodes in batch order: the decode output is the whole output.
         return _decode(query, kv_cache, metadata, scale)
 
+    dtype = query.dtype
+    if prefill is not None and not (dtype == torch.float32 and query.is_contiguous()):
+        query = query.float().contiguous()  # what the prefill kernel reads (and writes)
     output = query.new_empty(query.shape)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_idx)
         output.index_copy_(
             0, decode.token_idx, _decode(decode_query, kv_cache, metadata, scale)
         )
+    if prefill is not None:
+        kernels.paged_prefill_attention(
+            output, query, kv_cache[0], kv_cache[1], prefill.block_table, prefill.query_start,
+            prefill.query_lens, prefill.seq_lens, scale,
+        )
+        return output if output.dtype == dtype else output.to(dtype)
     key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
     value_slots = kv_cache[1].flatten(0, 1)
     for chunk in metadata.chunks:

@@ -1,7 +1,8 @@
-// CPU kernels for the two places where a general-purpose library does badly on decode steps:
+// CPU kernels for the places where a general-purpose library does badly on this workload:
 //
 //  - paged_decode_attention: one query token per request attends to its keys and values where
-//    they lie in the paged cache, block by block, with no gather into a padded copy;
+//    they lie in the paged cache, block by block, with no gather into a padded copy, and
+//    paged_prefill_attention, the same for prompt chunks (causal, flash-attention style);
 //  - packed_linear: out = x @ W^T for decode-sized batches (up to a few dozen rows), where BLAS
 //    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels of
 //    16 columns (float32, or bfloat16 widened in registers; accumulation in fp32).
@@ -77,6 +78,26 @@ inline __m256 exp_nonpositive(__m256 x) {
 // exp for any x: large arguments are clamped where the result still fits a float (~2e38).
 inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
 #endif
+
+// s[r] <- exp(s[r] - max[r]) (0 where s[r] is -inf), sum[r] += s[r], for r < n (a multiple of
+// 8): one key's weights across the query rows of the prefill kernel.
+inline void exp_shifted_rows(float* s, const float* max, float* sum, int64_t n) {
+  int64_t r = 0;
+#ifdef OCTAVO_AVX2
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; r + 8 <= n; r += 8) {
+    const __m256 x = _mm256_loadu_ps(s + r);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(x, _mm256_loadu_ps(max + r))),
+                                   _mm256_cmp_ps(x, minus_inf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + r, e);
+    _mm256_storeu_ps(sum + r, _mm256_add_ps(_mm256_loadu_ps(sum + r), e));
+  }
+#endif
+  for (; r < n; ++r) {
+    s[r] = std::isinf(s[r]) ? 0.f : std::exp(s[r] - max[r]);
+    sum[r] += s[r];
+  }
+}
 
 // ---- paged decode attention -----------------------------------------------------------------
 
@@ -622,6 +643,190 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
+// ---- paged prefill attention -----------------------------------------------------------------
+//
+// Chunks of several query tokens (a prompt, or the part of one after its cached prefix), each
+// attending causally to its sequence's keys where they lie in the paged cache: query i of a
+// chunk of q_len tokens in a sequence of seq_len sits at position seq_len - q_len + i and sees
+// keys 0..that position. Flash-attention style: a work item is one chunk's tile of kQueryTile
+// positions for all the query heads of one kv head (so each key read serves every head that
+// reads it), packed once as the panels of a matmul; keys are taken kKeyStep at a time, copied
+// out of their blocks as float32 rows, and their scores against every query row are one
+// packed_rows call (keys x query rows); the softmax is kept online (a running max and sum per
+// query row), so nothing of seq_len x seq_len is ever held; the weights, turned to query rows x
+// keys, meet the values (copied into panels of 16 columns) in a second packed_rows call.
+
+constexpr int64_t kQueryTile = 32;  // query positions per work item
+constexpr int64_t kKeyStep = 64;    // keys per step
+
+template <typename cache_t>
+void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_table, const at::Tensor& query_start,
+                                  const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                                  double scale) {
+  // query, out: (num_tokens, num_heads, head_dim) float32; key_cache, value_cache: (num_blocks,
+  // block_size, num_kv_heads, head_dim); block_table: (num_chunks, max_blocks) int32;
+  // query_start, query_lens, seq_lens: (num_chunks,) int32; chunk c is rows query_start[c] ..
+  // query_start[c] + query_lens[c].
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
+  const int64_t slot_stride = num_kv_heads * head_dim, token_stride = num_heads * head_dim;
+  const int64_t num_chunks = seq_lens.size(0);
+  const int64_t d_panels = (head_dim + kPanel - 1) / kPanel, d_padded = d_panels * kPanel;
+  const int64_t max_rows = group * kQueryTile;
+  const int64_t max_row_panels = (max_rows + kPanel - 1) / kPanel;
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* q_lens = query_lens.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const cache_t* k_base = key_cache.data_ptr<cache_t>();
+  const cache_t* v_base = value_cache.data_ptr<cache_t>();
+  const float fscale = static_cast<float>(scale);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+  // Work items in the order (chunk, query tile, kv head); first_item[c] is chunk c's first.
+  std::vector<int64_t> first_item(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t tiles = (q_lens[c] + kQueryTile - 1) / kQueryTile;
+    first_item[c + 1] = first_item[c] + tiles * num_kv_heads;
+  }
+  const int64_t num_items = first_item[num_chunks];
+  if (num_items == 0) return;
+  // Later tiles of a chunk see more keys, so threads take items in turn (item % threads) rather
+  // than in contiguous runs, which would give one thread all the long ones.
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
+    // (row panels, head_dim, 16): query row 16p + i, scaled, at [p][d][i]; zero past the rows.
+    std::vector<float> q_panels(max_row_panels * head_dim * kPanel);
+    std::vector<float> keys(kKeyStep * head_dim);                   // (keys, head_dim)
+    std::vector<float> v_panels(d_panels * kKeyStep * kPanel, 0.f);  // (d_panels, keys, 16)
+    std::vector<float> scores(kKeyStep * max_row_panels * kPanel);  // (keys, padded rows)
+    std::vector<float> weights(max_rows * kKeyStep);                // (rows, keys)
+    std::vector<float> weighted(max_rows * d_padded);               // (rows, d_padded)
+    std::vector<float> acc(max_rows * head_dim);
+    std::vector<float> row_max(max_row_panels * kPanel), row_sum(max_row_panels * kPanel);
+    std::vector<float> alpha(max_row_panels * kPanel);
+    std::vector<int64_t> row_pos(max_row_panels * kPanel);
+    for (int64_t thread = thread_begin; thread < thread_end; ++thread) {
+      for (int64_t item = thread; item < num_items; item += num_threads) {
+        const int64_t c = std::upper_bound(first_item.begin(), first_item.end(), item) -
+                          first_item.begin() - 1;
+        const int64_t tile = (item - first_item[c]) / num_kv_heads;
+        const int64_t g = (item - first_item[c]) % num_kv_heads;
+        const int64_t q_len = q_lens[c], seq_len = lens[c];
+        const int64_t p0 = tile * kQueryTile, np = std::min(kQueryTile, q_len - p0);
+        const int64_t first_pos = seq_len - q_len + p0;  // position of the tile's first query
+        const int64_t rows = group * np;                 // row r: head r / np, query r % np
+        const int64_t row_panels = (rows + kPanel - 1) / kPanel, ld = row_panels * kPanel;
+        const int32_t* blocks = table + c * max_blocks;
+        std::fill(q_panels.begin(), q_panels.begin() + row_panels * head_dim * kPanel, 0.f);
+        for (int64_t r = 0; r < ld; ++r) row_pos[r] = first_pos + (r < rows ? r % np : 0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* src = q_base + (starts[c] + p0 + r % np) * token_stride +
+                             (g * group + r / np) * head_dim;
+          float* dst = q_panels.data() + (r / kPanel) * head_dim * kPanel + r % kPanel;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d * kPanel] = src[d] * fscale;
+        }
+        std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + ld, kMinusInf);
+        std::fill(row_sum.begin(), row_sum.begin() + ld, 0.f);
+        const int64_t num_keys = first_pos + np;  // the last query sees keys 0..num_keys-1
+        for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyStep) {
+          const int64_t nk = std::min(kKeyStep, num_keys - j0);
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            const int64_t j = j0 + jj;
+            const int64_t slot =
+                static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
+            const cache_t* ksrc = k_base + slot * slot_stride + g * head_dim;
+            const cache_t* vsrc = v_base + slot * slot_stride + g * head_dim;
+            float* krow = keys.data() + jj * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) krow[d] = to_float(ksrc[d]);
+            for (int64_t dp = 0; dp < d_panels; ++dp) {
+              float* vrow = v_panels.data() + (dp * kKeyStep + jj) * kPanel;
+              const int64_t n = std::min(kPanel, head_dim - dp * kPanel);
+              for (int64_t i = 0; i < n; ++i) vrow[i] = to_float(vsrc[dp * kPanel + i]);
+            }
+          }
+          // scores[jj][r] = q_r . k_jj (scaled), one row of keys against every query row.
+          for (int64_t p = 0; p < row_panels; ++p) {
+            packed_rows(keys.data(), head_dim, q_panels.data() + p * head_dim * kPanel, head_dim,
+                        scores.data() + p * kPanel, ld, kPanel, nk);
+          }
+          // Keys past a query's position get weight 0 (only near the diagonal).
+          if (j0 + nk - 1 > first_pos) {
+            for (int64_t jj = 0; jj < nk; ++jj) {
+              float* s = scores.data() + jj * ld;
+              for (int64_t r = 0; r < ld; ++r) {
+                if (j0 + jj > row_pos[r]) s[r] = kMinusInf;
+              }
+            }
+          }
+          // Online softmax, across the rows of scores (contiguous per key).
+          for (int64_t r = 0; r < ld; ++r) alpha[r] = kMinusInf;  // this step's max
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            const float* s = scores.data() + jj * ld;
+            for (int64_t r = 0; r < ld; ++r) alpha[r] = std::max(alpha[r], s[r]);
+          }
+          for (int64_t r = 0; r < ld; ++r) {
+            const float new_max = std::max(row_max[r], alpha[r]);
+            // A row with no visible key yet in this step keeps its max (and alpha 1); no row
+            // is without visible keys at the first step (key 0 is seen by every query).
+            alpha[r] = new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
+            row_max[r] = new_max;
+            row_sum[r] *= alpha[r];
+          }
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            float* s = scores.data() + jj * ld;
+            exp_shifted_rows(s, row_max.data(), row_sum.data(), ld);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            float* w = weights.data() + r * kKeyStep;
+            for (int64_t jj = 0; jj < nk; ++jj) w[jj] = scores[jj * ld + r];
+            if (alpha[r] != 1.f) {
+              float* a = acc.data() + r * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha[r];
+            }
+          }
+          for (int64_t dp = 0; dp < d_panels; ++dp) {
+            packed_rows(weights.data(), kKeyStep, v_panels.data() + dp * kKeyStep * kPanel, nk,
+                        weighted.data() + dp * kPanel, d_padded,
+                        std::min(kPanel, head_dim - dp * kPanel), rows);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            float* a = acc.data() + r * head_dim;
+            const float* w = weighted.data() + r * d_padded;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += w[d];
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out_base + (starts[c] + p0 + r % np) * token_stride +
+                       (g * group + r / np) * head_dim;
+          const float inv = 1.f / row_sum[r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[r * head_dim + d] * inv;
+        }
+      }
+    }
+  });
+}
+
+// Writes the rows of `out` that belong to the chunks; other rows are left as they are.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& query_lens,
+                             const at::Tensor& seq_lens, double scale) {
+  if (key_cache.scalar_type() == at::kBFloat16) {
+    paged_prefill_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
+                                                query_start, query_lens, seq_lens, scale);
+  } else {
+    paged_prefill_attention_impl<float>(out, query, key_cache, value_cache, block_table,
+                                        query_start, query_lens, seq_lens, scale);
+  }
+}
+
 // ---- RMSNorm with the residual add, and rotary embedding --------------------------------------
 
 // x, residual: (num_tokens, hidden) float32, contiguous, updated in place:
@@ -803,6 +1008,10 @@ TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
+      "Tensor seq_lens, float scale) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def(
       "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
@@ -823,6 +1032,7 @@ TORCH_LIBRARY(octavo, m) {
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("packed_linear", &packed_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
