@@ -310,3 +310,22 @@ def test_attention_bench_runs_for_each_batch_and_cache_dtype():
     assert rows == [(1, "float32"), (1, "bfloat16"), (3, "float32"), (3, "bfloat16")]
     for row in result["results"]:
         assert row["kernel_ms"] > 0 and row["reference_ms"] > 0
+
+
+@pytest.mark.parametrize("prefix_len", [0, 21])
+def test_prefill_bench_runs_for_each_prompt_length(prefix_len):
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--prefill",
+         "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
+         "--prompt-lens", "5,40", "--prefix-len", str(prefix_len), "--repeats", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(row["prompt_len"], row["prefix_len"]) for row in result["results"]] == [
+        (5, prefix_len), (40, prefix_len)]
+    for row in result["results"]:
+        assert row["kernel_ms"] > 0 and row["sdpa_ms"] > 0

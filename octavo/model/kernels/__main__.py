@@ -1,6 +1,7 @@
 """`python -m octavo.model.kernels`: build the CPU kernels ahead of first use.
 `python -m octavo.model.kernels --bench [...]`: then time decode-sized matmuls, or with
-`--attention` paged decode attention (see bench.py)."""
+`--attention` paged decode attention, or with `--prefill` paged prefill attention (see
+bench.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ if len(sys.argv) > 1:
 
     parser = argparse.ArgumentParser(prog="python -m octavo.model.kernels")
     parser.add_argument("--bench", action="store_true", required=True,
-                        help="time the kernels against torch (matmuls; --attention: attention)")
+                        help="time the kernels against torch (matmuls; --attention, --prefill: "
+                             "attention)")
     add_bench_args(parser)
     sys.exit(run_bench(parser.parse_args()))
 sys.exit(0 if kernels.available() else 1)

@@ -12,6 +12,12 @@ With `--attention`, paged decode attention instead: for each number of sequences
 `--context-len` tokens) and each cache dtype, one pass over `--layers` layers' caches (blocks
 of 16 tokens, shuffled as in a pool after some traffic), the kernel against the plain-torch
 reference (gather, then einsum and softmax), and the K/V bytes per second the kernel reads.
+
+With `--prefill`, paged prefill attention: for each prompt chunk length (`--prompt-lens`, after
+`--prefix-len` cached tokens), one pass over `--layers` layers' float32 caches, the kernel
+against what the backend does without it (SDPA, causal over the chunk's own keys, or over keys
+gathered from the cache with a shifted causal mask after a prefix), and the GFLOP/s of the
+causal work.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="with --attention: comma-separated numbers of sequences")
     parser.add_argument("--context-len", type=int, default=320,
                         help="with --attention: tokens of context per sequence")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time paged prefill attention instead of the matmuls")
+    parser.add_argument("--prompt-lens", default="256,512",
+                        help="with --prefill: comma-separated query tokens per chunk")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="with --prefill: cached tokens before each chunk")
 
 
 def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
@@ -99,11 +111,76 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_prefill_bench(ns: argparse.Namespace) -> int:
+    head_dim, block_size, prefix = ns.hidden_size // ns.num_heads, 16, ns.prefix_len
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+          f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {prefix} cached tokens "
+          "before each chunk")
+    results = []
+    for q_len in [int(part) for part in ns.prompt_lens.split(",") if part.strip()]:
+        seq_len = prefix + q_len
+        num_blocks = -(-seq_len // block_size)
+        shape = (num_blocks, block_size, ns.num_kv_heads, head_dim)
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(1, -1)
+        caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+                  for _ in range(ns.layers)]
+        query = torch.randn(q_len, ns.num_heads, head_dim, generator=gen)
+        out = torch.empty_like(query)
+        lens = [torch.tensor([n], dtype=torch.int32) for n in (0, q_len, seq_len)]
+        slots = (table[0].long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+        slots = slots[:seq_len]
+        # Without a prefix the backend attends over the step's own keys, not the cache's.
+        own = [(key.flatten(0, 1)[slots], value.flatten(0, 1)[slots]) for key, value in caches]
+        mask = None
+        if prefix:
+            mask = torch.arange(seq_len).unsqueeze(0) <= torch.arange(prefix, seq_len).unsqueeze(1)
+
+        def kernel() -> None:
+            for key, value in caches:
+                kernels.paged_prefill_attention(out, query, key, value, table, *lens,
+                                                scale=head_dim**-0.5)
+
+        def sdpa() -> None:
+            chunk_query = query.transpose(0, 1).unsqueeze(0)
+            for (key, value), (own_key, own_value) in zip(caches, own):
+                if prefix:
+                    own_key = key.flatten(0, 1).index_select(0, slots)
+                    own_value = value.flatten(0, 1).index_select(0, slots)
+                F.scaled_dot_product_attention(
+                    chunk_query, own_key.transpose(0, 1).unsqueeze(0),
+                    own_value.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                    is_causal=mask is None, scale=head_dim**-0.5, enable_gqa=True)
+
+        times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+        runs = {"kernel": kernel, "sdpa": sdpa}
+        for fn in runs.values():
+            fn()  # warm-up
+        for _ in range(max(ns.repeats, 1)):
+            for name, fn in runs.items():  # interleaved, so drift hits both alike
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        flops = 4 * ns.layers * q_len * ns.num_heads * head_dim * (prefix + (q_len + 1) / 2)
+        row = {"prompt_len": q_len, "prefix_len": prefix}
+        for name, values in times.items():
+            row[f"{name}_ms"] = round(statistics.median(values), 2)
+            row[f"{name}_gflops"] = round(flops / (row[f"{name}_ms"] * 1e-3) / 1e9, 1)
+        results.append(row)
+        print(f"{q_len:5d} tokens: kernel {row['kernel_ms']:8.2f} ms ({row['kernel_gflops']:5.1f} "
+              f"GFLOP/s), SDPA {row['sdpa_ms']:8.2f} ms ({row['sdpa_gflops']:5.1f} GFLOP/s)",
+              flush=True)
+    print(json.dumps({"layers": ns.layers, "results": results}))
+    return 0
+
+
 def run_bench(ns: argparse.Namespace) -> int:
     if not kernels.available():
         raise SystemExit("the CPU kernels are not available here (see the log above)")
     if ns.attention:
         return run_attention_bench(ns)
+    if ns.prefill:
+        return run_prefill_bench(ns)
     rows_list = [int(part) for part in ns.rows.split(",") if part.strip()]
     gen = torch.Generator().manual_seed(0)
     shapes = _layer_shapes(ns) * ns.layers
