@@ -74,6 +74,20 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_median_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each named function over `repeats` rounds that run them all in turn, so
+    that the machine's drift hits every one alike (one warm-up call each first)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(max(repeats, 1)):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: round(statistics.median(values), 2) for name, values in times.items()}
+
+
 def run_attention_bench(ns: argparse.Namespace) -> int:
     head_dim, block_size = ns.hidden_size // ns.num_heads, 16
     blocks_per_seq = -(-ns.context_len // block_size)
@@ -152,20 +166,12 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
                     own_value.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                     is_causal=mask is None, scale=head_dim**-0.5, enable_gqa=True)
 
-        times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-        runs = {"kernel": kernel, "sdpa": sdpa}
-        for fn in runs.values():
-            fn()  # warm-up
-        for _ in range(max(ns.repeats, 1)):
-            for name, fn in runs.items():  # interleaved, so drift hits both alike
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
+        times = _interleaved_median_ms({"kernel": kernel, "sdpa": sdpa}, ns.repeats)
         flops = 4 * ns.layers * q_len * ns.num_heads * head_dim * (prefix + (q_len + 1) / 2)
         row = {"prompt_len": q_len, "prefix_len": prefix}
-        for name, values in times.items():
-            row[f"{name}_ms"] = round(statistics.median(values), 2)
-            row[f"{name}_gflops"] = round(flops / (row[f"{name}_ms"] * 1e-3) / 1e9, 1)
+        for name, ms in times.items():
+            row[f"{name}_ms"] = ms
+            row[f"{name}_gflops"] = round(flops / (ms * 1e-3) / 1e9, 1)
         results.append(row)
         print(f"{q_len:5d} tokens: kernel {row['kernel_ms']:8.2f} ms ({row['kernel_gflops']:5.1f} "
               f"GFLOP/s), SDPA {row['sdpa_ms']:8.2f} ms ({row['sdpa_gflops']:5.1f} GFLOP/s)",
@@ -203,19 +209,12 @@ def run_bench(ns: argparse.Namespace) -> int:
             for (n, k), panel in zip(shapes, panels):
                 kernels.packed_linear(inputs[k], panel, n)
 
-        times: dict[str, list[float]] = {"torch_fp32": [], "packed_bf16": [], "packed_fp32": []}
         runs = {"torch_fp32": gemm, "packed_bf16": lambda: packed(bf16_panels),
                 "packed_fp32": lambda: packed(fp32_panels)}
-        for fn in runs.values():
-            fn()  # warm-up
-        for _ in range(max(ns.repeats, 1)):
-            for name, fn in runs.items():  # interleaved, so drift hits all three alike
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
+        times = _interleaved_median_ms(runs, ns.repeats)
         row = {"rows": rows}
-        for name, values in times.items():
-            row[f"{name}_ms"] = round(statistics.median(values), 2)
+        for name, ms in times.items():
+            row[f"{name}_ms"] = ms
         best = min(row[f"{name}_ms"] for name in times)
         row["best_gflops"] = round(2 * rows * num_params / (best * 1e-3) / 1e9, 1)
         row["packed_bf16_weight_gb_s"] = round(2 * num_params / (row["packed_bf16_ms"] * 1e-3)
