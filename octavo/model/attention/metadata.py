@@ -150,23 +150,32 @@ class AttentionMetadata:
         block_ids = block_rows[:, positions // self.block_size].long()
         return block_ids * self.block_size + positions % self.block_size
 
+    def _block_rows(self, req_idx: list[int]) -> Tensor:
+        """These requests' block_table rows, in order, cut after the longest one's last block:
+        (len(req_idx), max_num_blocks)."""
+        max_num_blocks = -(-max(self.seq_lens[i] for i in req_idx) // self.block_size)
+        if len(req_idx) == self.num_reqs:  # every request, in batch order
+            rows = self.block_table[: self.num_reqs]
+        else:
+            rows = self.block_table[torch.tensor(req_idx, device=self.block_table.device)]
+        return rows[:, :max_num_blocks]
+
     def _plan_decodes(self, paged: bool) -> None:
         req_idx = [i for i, q_len in enumerate(self.query_lens) if q_len == 1]
         if not req_idx:
             return
         device = self.block_table.device
-        max_num_blocks = -(-max(self.seq_lens[i] for i in req_idx) // self.block_size)
-        if self.is_all_decode:
-            token_idx, rows = None, self.block_table[: self.num_reqs]
-        else:
+        token_idx = None
+        if not self.is_all_decode:
             token_idx = torch.tensor([self.query_start_loc[i] for i in req_idx], device=device)
-            rows = self.block_table[torch.tensor(req_idx, device=device)]
+        rows = self._block_rows(req_idx)
+        max_num_blocks = rows.shape[1]
         if paged:
             self.decode = DecodeBatch(
                 req_idx=req_idx,
                 token_idx=token_idx,
                 max_num_blocks=max_num_blocks,
-                block_table=rows[:, :max_num_blocks].to(torch.int32).contiguous(),
+                block_table=rows.to(torch.int32).contiguous(),
                 seq_lens=_int32([self.seq_lens[i] for i in req_idx]),
             )
             return
@@ -177,7 +186,7 @@ class AttentionMetadata:
             req_idx=req_idx,
             token_idx=token_idx,
             max_num_blocks=max_num_blocks,
-            block_ids=rows[:, :max_num_blocks].reshape(-1).long(),
+            block_ids=rows.reshape(-1).long(),
             key_mask=key_mask[:, None, None, :],  # (num_decodes, 1, 1, max_len)
         )
 
@@ -186,10 +195,8 @@ class AttentionMetadata:
         if paged:
             req_idx = [i for i, q_len in enumerate(self.query_lens) if q_len > 1]
             if req_idx:
-                max_num_blocks = -(-max(self.seq_lens[i] for i in req_idx) // self.block_size)
-                rows = self.block_table[torch.tensor(req_idx, device=device)]
                 self.prefill = PrefillBatch(
-                    block_table=rows[:, :max_num_blocks].to(torch.int32).contiguous(),
+                    block_table=self._block_rows(req_idx).to(torch.int32).contiguous(),
                     query_start=_int32([self.query_start_loc[i] for i in req_idx]),
                     query_lens=_int32([self.query_lens[i] for i in req_idx]),
                     seq_lens=_int32([self.seq_lens[i] for i in req_idx]),
