@@ -106,7 +106,7 @@ def test_paged_prefill_attention_first_query_sees_only_the_first_key():
     torch.testing.assert_close(out[1], first.repeat_interleave(2, dim=0))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 64, 115])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 12, 13, 25, 64, 115])
 @pytest.mark.parametrize("n,k", [(7, 16), (64, 576), (33, 19), (130, 1536), (16, 1)])
 @pytest.mark.parametrize("exact_bf16", [False, True])
 def test_packed_linear_matches_reference(rows, n, k, exact_bf16):
@@ -117,7 +117,8 @@ def test_packed_linear_matches_reference(rows, n, k, exact_bf16):
         weight = weight.bfloat16().float()
     packed = kernels.pack_linear_weight(weight)
     assert packed.dtype == (torch.bfloat16 if exact_bf16 else torch.float32)
-    assert packed.shape == (-(-n // kernels.PANEL), k, kernels.PANEL)
+    width = kernels.panel_width()
+    assert packed.shape == (-(-n // width), k, width)
     # Packing loses nothing: the packed copy unpacks to the weight, bit for bit.
     assert torch.equal(kernels.unpack_linear_weight(packed, n).float(), weight)
     out = kernels.packed_linear(x, packed, n)
@@ -164,7 +165,8 @@ def test_packed_weights_are_bf16_only_when_lossless():
         layer.weight.copy_(exact)
         other.weight.copy_(inexact)
     model = torch.nn.Sequential(layer, other)
-    assert attach_packed_weights(model) == (2, 1, 16 * 8 * 2 + 16 * 8 * 4)
+    padded = -(-16 // kernels.panel_width()) * kernels.panel_width()  # rows, with the padding
+    assert attach_packed_weights(model) == (2, 1, padded * 8 * 2 + padded * 8 * 4)
     assert layer.packed_weight.dtype == torch.bfloat16
     assert other.packed_weight.dtype == torch.float32
     assert kernels.pack_linear_weight(exact.half()) is None  # no kernel for fp16 weights

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -56,8 +57,22 @@ _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
 
+def _host_isa() -> str:
+    """The CPU's feature flags: -march=native builds for them, so a build cache shared between
+    machines (a mounted home) must not hand an AVX-512 build to a CPU without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def _build_dir() -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode())
+    key = " ".join(_CFLAGS + _LDFLAGS) + _host_isa()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + key.encode())
     digest = digest.hexdigest()[:12]
     root = os.environ.get("OCTAVO_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "octavo", "kernels"
@@ -186,18 +201,25 @@ def reads_cache_dtype(dtype: torch.dtype) -> bool:
 
 # --- packed linear ------------------------------------------------------------------------------
 
-PANEL = 16  # output columns per packed panel (the kernel's vector width x 2)
-# bf16 panels hold their columns in this order, so one 32-byte load widens to two float32
-# vectors (columns 0-7 and 8-15) with a shift and a mask.
-_BF16_PANEL_ORDER = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+def panel_width() -> int:
+    """Output columns per packed panel: two of the kernel's vectors (32 where the build has
+    AVX-512, else 16); packed weights must be laid out for the kernel that reads them."""
+    return int(torch.ops.octavo.packed_panel()) if available() else 16
+
+
+def _bf16_panel_order(width: int) -> list[int]:
+    """bf16 panels interleave their halves (0, h, 1, h + 1, ...): each 32-bit word holds column
+    i and column h + i, so one load widens to two float32 vectors with a shift and a mask."""
+    half = width // 2
+    return [j for i in range(half) for j in (i, half + i)]
 
 
 def pack_linear_weight(weight: Tensor, allow_bf16: bool = True) -> Tensor | None:
     """The weight (n, k) of a CPU linear layer packed for `packed_linear`: shape
-    (ceil(n / 16), k, 16), panel p holding output columns 16p..16p+15 (zero rows pad n). In
-    bfloat16 (half the bytes) when every value is exactly a bf16 number, which keeps the results
-    of float32 compute unchanged, unless `allow_bf16` is False; else float32. None for other
-    dtypes or devices."""
+    (ceil(n / w), k, w), w = panel_width(), panel p holding output columns wp..wp+w-1 (zero
+    rows pad n). In bfloat16 (half the bytes) when every value is exactly a bf16 number, which
+    keeps the results of float32 compute unchanged, unless `allow_bf16` is False; else float32.
+    None for other dtypes or devices."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach()
@@ -207,12 +229,13 @@ def pack_linear_weight(weight: Tensor, allow_bf16: bool = True) -> Tensor | None
         weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
     )
     source = compact if exact else weight.float()
-    num_panels = -(-n // PANEL)
-    padded = source.new_zeros(num_panels * PANEL, k)
+    width = panel_width()
+    num_panels = -(-n // width)
+    padded = source.new_zeros(num_panels * width, k)
     padded[:n] = source
-    panels = padded.view(num_panels, PANEL, k)
+    panels = padded.view(num_panels, width, k)
     if exact:
-        panels = panels[:, _BF16_PANEL_ORDER]
+        panels = panels[:, _bf16_panel_order(width)]
     return panels.transpose(1, 2).contiguous()
 
 
@@ -220,7 +243,7 @@ def unpack_linear_weight(packed: Tensor, n: int) -> Tensor:
     """The (n, k) weight a packed one holds, in the packed dtype (the inverse of packing)."""
     panels = packed.transpose(1, 2)
     if packed.dtype == torch.bfloat16:
-        panels = panels[:, torch.argsort(torch.tensor(_BF16_PANEL_ORDER))]
+        panels = panels[:, torch.argsort(torch.tensor(_bf16_panel_order(packed.shape[2])))]
     return panels.reshape(-1, packed.shape[1])[:n]
 
 

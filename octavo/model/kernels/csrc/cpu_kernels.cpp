@@ -4,8 +4,8 @@
 //    they lie in the paged cache, block by block, with no gather into a padded copy, and
 //    paged_prefill_attention, the same for prompt chunks (causal, flash-attention style);
 //  - packed_linear: out = x @ W^T for decode-sized batches (up to a few dozen rows), where BLAS
-//    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels of
-//    16 columns (float32, or bfloat16 widened in registers; accumulation in fp32).
+//    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels
+//    of columns (float32, or bfloat16 widened in registers; accumulation in fp32).
 //
 // Beside them, RMSNorm (with the residual add), rotary embedding, SiLU-and-mul and the KV cache
 // write, one pass each over the data instead of the half-dozen ops (and temporaries) they take
@@ -33,6 +33,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define OCTAVO_AVX2 1
+#if defined(__AVX512F__)
+#define OCTAVO_AVX512 1  // 16-float vectors in packed_linear's tiles and decode attention
+#endif
 #endif
 
 namespace {
@@ -47,6 +50,18 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+#ifdef OCTAVO_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// The two halves of v added: the same sum in eight lanes.
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -269,6 +284,19 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 // The eight lanes whose sum is q . k (d a multiple of 8): two FMA chains, no reduction yet.
 template <typename cache_t>
 inline __m256 dot_lanes(const float* q, const cache_t* k, int64_t d) {
+#ifdef OCTAVO_AVX512
+  if (d % 16 == 0) {  // the same with 16-lane vectors, folded to eight lanes at the end
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+    __m512 a1 = _mm512_setzero_ps();
+    int64_t i = 16;
+    for (; i + 32 <= d; i += 32) {
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a1);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(k + i + 16), a0);
+    }
+    if (i < d) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a1);
+    return fold16(_mm512_add_ps(a0, a1));
+  }
+#endif
   __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
   __m256 a1 = _mm256_setzero_ps();
   int64_t i = 8;
@@ -287,6 +315,24 @@ template <typename cache_t>
 inline void weighted_rows(float* acc, const float* p, const cache_t* row, int64_t stride,
                           int64_t n, int64_t d) {
   int64_t i = 0;
+#ifdef OCTAVO_AVX512
+  for (; i + 64 <= d; i += 64) {  // four 16-lane accumulators
+    __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16),
+           a2 = _mm512_loadu_ps(acc + i + 32), a3 = _mm512_loadu_ps(acc + i + 48);
+    const cache_t* v = row + i;
+    for (int64_t t = 0; t < n; ++t, v += stride) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pt, load16(v), a0);
+      a1 = _mm512_fmadd_ps(pt, load16(v + 16), a1);
+      a2 = _mm512_fmadd_ps(pt, load16(v + 32), a2);
+      a3 = _mm512_fmadd_ps(pt, load16(v + 48), a3);
+    }
+    _mm512_storeu_ps(acc + i, a0);
+    _mm512_storeu_ps(acc + i + 16, a1);
+    _mm512_storeu_ps(acc + i + 32, a2);
+    _mm512_storeu_ps(acc + i + 48, a3);
+  }
+#endif
   for (; i + 64 <= d; i += 64) {
     __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8),
            a2 = _mm256_loadu_ps(acc + i + 16), a3 = _mm256_loadu_ps(acc + i + 24),
@@ -465,44 +511,91 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 // ---- packed linear ----------------------------------------------------------------------------
 //
-// out = x @ W^T for decode-sized batches (up to a few dozen rows), from a copy of W packed once at
-// load time into panels of 16 output columns:
+// out = x @ W^T (prompt chunks and decode batches alike), from a copy of W packed once at load
+// time into panels of kPanel output columns (two vectors: 32 with AVX-512, else 16):
 //
-//   packed[p][k][j] = W[16 * p + j][k]     (N padded to a multiple of 16 with zero rows)
+//   packed[p][k][j] = W[kPanel * p + j][k]     (N padded to a multiple of kPanel with zero rows)
 //
-// so a thread streams its panels as one contiguous run of memory, and for each k the 16 weights
-// of a panel are two vector loads that every row of x reuses (a broadcast of x[m][k] and two
-// FMAs per row). bfloat16 panels hold the same columns in the order 0,8,1,9,...,7,15, so that
-// one 32-byte load widens to float32 with a shift (columns 0-7) and a mask (columns 8-15).
-// Accumulation is in float32 in both cases.
+// so a thread streams its panels as one contiguous run of memory, and for each k the weights of
+// a panel are two vector loads that every row of x reuses (a broadcast of x[m][k] and two FMAs
+// per row). bfloat16 panels interleave their two halves (see panel_slot), so that one load
+// widens to float32 with a shift (the first half) and a mask (the second). Accumulation is in
+// float32 in both cases. The layout depends on the build: Python asks packed_panel() for it.
 
-constexpr int64_t kPanel = 16;
+#ifdef OCTAVO_AVX2
+// The tile's vector: 16 floats where the CPU has AVX-512, else 8 (AVX2). A panel is two of them.
+#ifdef OCTAVO_AVX512
+using vec_t = __m512;
+inline vec_t vzero() { return _mm512_setzero_ps(); }
+inline vec_t vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec_t vadd(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, vec_t v) { _mm512_storeu_ps(p, v); }
+constexpr int kTileRows = 12;  // rows of x per register tile: 24 accumulators + 2 weights + x
+#else
+using vec_t = __m256;
+inline vec_t vzero() { return _mm256_setzero_ps(); }
+inline vec_t vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec_t vadd(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, vec_t v) { _mm256_storeu_ps(p, v); }
 constexpr int kTileRows = 6;  // rows of x per register tile: 12 accumulators + 2 weights + x
+#endif
+constexpr int64_t kPanel = 2 * static_cast<int64_t>(sizeof(vec_t) / sizeof(float));
+#else
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 6;
+#endif
 
-// Position of column j of a panel in its packed row.
+// Position of column j of a panel in its packed row: bfloat16 panels interleave the two
+// halves (0, h, 1, h + 1, ...), so that each 32-bit word holds column i in its low half and
+// column h + i in its high half, and one load widens to both vectors with a shift and a mask.
 inline int64_t panel_slot(int64_t j, bool bf16) {
-  return bf16 ? (j < 8 ? 2 * j : 2 * (j - 8) + 1) : j;
+  constexpr int64_t h = kPanel / 2;
+  return bf16 ? (j < h ? 2 * j : 2 * (j - h) + 1) : j;
 }
 
 #ifdef OCTAVO_AVX2
-inline void load_panel(const float* p, __m256& lo, __m256& hi) {
+inline void load_panel(const float* p, vec_t& lo, vec_t& hi) {
+#ifdef OCTAVO_AVX512
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + kPanel / 2);
+#else
   lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
+  hi = _mm256_loadu_ps(p + kPanel / 2);
+#endif
 }
-inline void load_panel(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+inline void load_panel(const c10::BFloat16* p, vec_t& lo, vec_t& hi) {
+#ifdef OCTAVO_AVX512
+  const __m512i v = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   hi = _mm256_castsi256_ps(
       _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
 }
 
-// Row r of the tile times the panel's weights b0/b1 at depth kk, into c<r>0 / c<r>1.
-#define OCTAVO_TILE_ROW(r, kk)                               \
-  if constexpr (MR > r) {                                    \
-    const __m256 xb = _mm256_broadcast_ss(x##r + (kk));      \
-    c##r##0 = _mm256_fmadd_ps(b0, xb, c##r##0);              \
-    c##r##1 = _mm256_fmadd_ps(b1, xb, c##r##1);              \
+// Row r of the tile times the panel's weights b0/b1 at depth kk, into c<r>_0 / c<r>_1.
+#define OCTAVO_TILE_ROW(r, kk)                  \
+  if constexpr (MR > r) {                       \
+    const vec_t xb = vbroadcast(x##r + (kk));   \
+    c##r##_0 = vfma(b0, xb, c##r##_0);          \
+    c##r##_1 = vfma(b1, xb, c##r##_1);          \
   }
+
+// A panel is read front to back, on the first tile of a chunk mostly from memory: each depth
+// asks for the one kPrefetchDepth ahead, since the hardware prefetcher stops at every 4 KiB
+// page. Past the end this touches the next panel (prefetches never fault).
+constexpr int64_t kPrefetchDepth = 16;
+template <typename weight_t>
+inline void prefetch_depth(const weight_t* panel, int64_t k) {
+  const char* ahead = reinterpret_cast<const char*>(panel + (k + kPrefetchDepth) * kPanel);
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  if constexpr (sizeof(weight_t) * kPanel > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+}
 
 // MR rows of x against one panel over all of K. The accumulators are named variables, not an
 // array: compilers keep an array of vectors this size in memory and store it every iteration.
@@ -510,8 +603,12 @@ template <int MR, typename weight_t>
 inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int64_t k_dim,
                         float* out, int64_t ldo, int64_t n_valid) {
   static_assert(MR >= 1 && MR <= kTileRows, "rows per tile");
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-         c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  vec_t c0_0 = vzero(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0,
+        c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
+#ifdef OCTAVO_AVX512
+  vec_t c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0,
+        c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
+#endif
   // One pointer per row keeps the inner loop's addressing to base + index.
   const float* x0 = x;
   const float* x1 = x + (MR > 1 ? 1 : 0) * ldx;
@@ -519,28 +616,39 @@ inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int6
   const float* x3 = x + (MR > 3 ? 3 : 0) * ldx;
   const float* x4 = x + (MR > 4 ? 4 : 0) * ldx;
   const float* x5 = x + (MR > 5 ? 5 : 0) * ldx;
+#ifdef OCTAVO_AVX512
+  const float* x6 = x + (MR > 6 ? 6 : 0) * ldx;
+  const float* x7 = x + (MR > 7 ? 7 : 0) * ldx;
+  const float* x8 = x + (MR > 8 ? 8 : 0) * ldx;
+  const float* x9 = x + (MR > 9 ? 9 : 0) * ldx;
+  const float* x10 = x + (MR > 10 ? 10 : 0) * ldx;
+  const float* x11 = x + (MR > 11 ? 11 : 0) * ldx;
+#endif
   int64_t k = 0;
   if constexpr (MR <= 2) {
     // One or two rows make too few independent FMA chains to hide their latency: the odd
-    // depths go to a second set of accumulators (c2*, c3*), added in at the end.
+    // depths go to a second set of accumulators (c2_*, c3_*), added in at the end.
     for (; k + 2 <= k_dim; k += 2) {
-      __m256 b0, b1;
+      vec_t b0, b1;
+      prefetch_depth(panel, k);
+      prefetch_depth(panel, k + 1);
       load_panel(panel + k * kPanel, b0, b1);
       OCTAVO_TILE_ROW(0, k)
       OCTAVO_TILE_ROW(1, k)
       load_panel(panel + (k + 1) * kPanel, b0, b1);
-      const __m256 xa = _mm256_broadcast_ss(x0 + k + 1);
-      c20 = _mm256_fmadd_ps(b0, xa, c20);
-      c21 = _mm256_fmadd_ps(b1, xa, c21);
+      const vec_t xa = vbroadcast(x0 + k + 1);
+      c2_0 = vfma(b0, xa, c2_0);
+      c2_1 = vfma(b1, xa, c2_1);
       if constexpr (MR > 1) {
-        const __m256 xb = _mm256_broadcast_ss(x1 + k + 1);
-        c30 = _mm256_fmadd_ps(b0, xb, c30);
-        c31 = _mm256_fmadd_ps(b1, xb, c31);
+        const vec_t xb = vbroadcast(x1 + k + 1);
+        c3_0 = vfma(b0, xb, c3_0);
+        c3_1 = vfma(b1, xb, c3_1);
       }
     }
   }
   for (; k < k_dim; ++k) {
-    __m256 b0, b1;
+    vec_t b0, b1;
+    prefetch_depth(panel, k);
     load_panel(panel + k * kPanel, b0, b1);
     OCTAVO_TILE_ROW(0, k)
     OCTAVO_TILE_ROW(1, k)
@@ -548,24 +656,36 @@ inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int6
     OCTAVO_TILE_ROW(3, k)
     OCTAVO_TILE_ROW(4, k)
     OCTAVO_TILE_ROW(5, k)
+#ifdef OCTAVO_AVX512
+    OCTAVO_TILE_ROW(6, k)
+    OCTAVO_TILE_ROW(7, k)
+    OCTAVO_TILE_ROW(8, k)
+    OCTAVO_TILE_ROW(9, k)
+    OCTAVO_TILE_ROW(10, k)
+    OCTAVO_TILE_ROW(11, k)
+#endif
   }
   if constexpr (MR <= 2) {
-    c00 = _mm256_add_ps(c00, c20);
-    c01 = _mm256_add_ps(c01, c21);
-    c10 = _mm256_add_ps(c10, c30);
-    c11 = _mm256_add_ps(c11, c31);
+    c0_0 = vadd(c0_0, c2_0);
+    c0_1 = vadd(c0_1, c2_1);
+    c1_0 = vadd(c1_0, c3_0);
+    c1_1 = vadd(c1_1, c3_1);
   }
-  const __m256 acc[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                                    {c30, c31}, {c40, c41}, {c50, c51}};
+  const vec_t acc[kTileRows][2] = {
+      {c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1}, {c4_0, c4_1}, {c5_0, c5_1},
+#ifdef OCTAVO_AVX512
+      {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1},
+#endif
+  };
   for (int r = 0; r < MR; ++r) {
     float* o = out + r * ldo;
     if (n_valid == kPanel) {
-      _mm256_storeu_ps(o, acc[r][0]);
-      _mm256_storeu_ps(o + 8, acc[r][1]);
+      vstore(o, acc[r][0]);
+      vstore(o + kPanel / 2, acc[r][1]);
     } else {
-      alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
+      float tmp[kPanel];
+      vstore(tmp, acc[r][0]);
+      vstore(tmp + kPanel / 2, acc[r][1]);
       std::copy(tmp, tmp + n_valid, o);
     }
   }
@@ -590,6 +710,14 @@ void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_d
     case 3: packed_tile<3>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
     case 4: packed_tile<4>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
     case 5: packed_tile<5>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+#ifdef OCTAVO_AVX512
+    case 6: packed_tile<6>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 7: packed_tile<7>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 8: packed_tile<8>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 9: packed_tile<9>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 10: packed_tile<10>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 11: packed_tile<11>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+#endif
     default: break;
   }
 #else
@@ -608,7 +736,7 @@ void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_d
 template <typename weight_t>
 void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         int64_t n_dim) {
-  // x: (M, K) float32; packed: (ceil(N / 16), K, 16); out: (M, N) float32.
+  // x: (M, K) float32; packed: (ceil(N / kPanel), K, kPanel); out: (M, N) float32.
   const int64_t m_rows = x.size(0), k_dim = x.size(1), num_panels = packed.size(0);
   if (m_rows == 0) return;  // e.g. logits of a step in which no request samples
   const float* xp = x.data_ptr<float>();
@@ -654,7 +782,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // out of their blocks as float32 rows, and their scores against every query row are one
 // packed_rows call (keys x query rows); the softmax is kept online (a running max and sum per
 // query row), so nothing of seq_len x seq_len is ever held; the weights, turned to query rows x
-// keys, meet the values (copied into panels of 16 columns) in a second packed_rows call.
+// keys, meet the values (copied into panels of kPanel columns) in a second packed_rows call.
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 constexpr int64_t kKeyStep = 64;    // keys per step
@@ -700,10 +828,11 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   // than in contiguous runs, which would give one thread all the long ones.
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
-    // (row panels, head_dim, 16): query row 16p + i, scaled, at [p][d][i]; zero past the rows.
+    // (row panels, head_dim, kPanel): query row kPanel * p + i, scaled, at [p][d][i]; zero past
+    // the rows.
     std::vector<float> q_panels(max_row_panels * head_dim * kPanel);
     std::vector<float> keys(kKeyStep * head_dim);                   // (keys, head_dim)
-    std::vector<float> v_panels(d_panels * kKeyStep * kPanel, 0.f);  // (d_panels, keys, 16)
+    std::vector<float> v_panels(d_panels * kKeyStep * kPanel, 0.f);  // (d_panels, keys, kPanel)
     std::vector<float> scores(kKeyStep * max_row_panels * kPanel);  // (keys, padded rows)
     std::vector<float> weights(max_rows * kKeyStep);                // (rows, keys)
     std::vector<float> weighted(max_rows * d_padded);               // (rows, d_padded)
@@ -1013,6 +1142,8 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
       "Tensor seq_lens, float scale) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
+  m.def("packed_panel() -> int", []() -> int64_t { return kPanel; });
   m.def(
       "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
       " -> ()");
