@@ -371,12 +371,14 @@ inline void weighted_rows(float* acc, const float* p, const cache_t* row, int64_
 
 // Asks for the n rows of `len` elements at row + r * stride to be brought into cache: the next
 // block of a sequence lies anywhere in the pool, where the hardware prefetcher cannot guess it.
+// Into L2, not L1: L1 has few outstanding-miss slots, which capped the rows in flight (30
+// layers at 32 sequences x 320 tokens, float32: 30.4 -> 25.8 ms).
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* row, int64_t n, int64_t stride, int64_t len) {
   const int64_t bytes = len * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t r = 0; r < n; ++r) {
     const char* p = reinterpret_cast<const char*>(row + r * stride);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
