@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define OCTAVO_AVX2 1
@@ -735,6 +737,12 @@ void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_d
 #endif
 }
 
+// Bytes of x per chunk of packed_linear: a quarter of the L2 cache, at least 256 KB.
+inline int64_t x_chunk_bytes() {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the system does not say
+  return std::max<int64_t>(256 * 1024, l2 > 0 ? l2 / 4 : 0);
+}
+
 template <typename weight_t>
 void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         int64_t n_dim) {
@@ -744,11 +752,14 @@ void packed_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const float* xp = x.data_ptr<float>();
   const weight_t* wp = packed.data_ptr<weight_t>();
   float* op = out.data_ptr<float>();
-  // Rows per chunk: a chunk of x (~256 KB) stays in L2 while the panels pass over it.
+  // Rows per chunk: a chunk of x stays in L2 while the panels pass over it, and each chunk
+  // streams every panel once, so chunks are as large as a quarter of L2 allows (at least
+  // 256 KB: 512 KB with a 2 MB L2 made 256-row matmuls ~10% faster than 256 KB did).
   // Chunks of equal size (in whole tiles), so that no short last chunk streams every panel for
   // a handful of rows.
-  const int64_t max_chunk =
-      std::max<int64_t>(kTileRows, (65536 / std::max<int64_t>(k_dim, 1)) / kTileRows * kTileRows);
+  static const int64_t chunk_floats = x_chunk_bytes() / static_cast<int64_t>(sizeof(float));
+  const int64_t max_chunk = std::max<int64_t>(
+      kTileRows, (chunk_floats / std::max<int64_t>(k_dim, 1)) / kTileRows * kTileRows);
   const int64_t num_chunks = (m_rows + max_chunk - 1) / max_chunk;
   const int64_t chunk =
       ((m_rows + num_chunks - 1) / num_chunks + kTileRows - 1) / kTileRows * kTileRows;
