@@ -96,26 +96,6 @@ inline __m256 exp_nonpositive(__m256 x) {
 inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
 #endif
 
-// s[r] <- exp(s[r] - max[r]) (0 where s[r] is -inf), sum[r] += s[r], for r < n (a multiple of
-// 8): one key's weights across the query rows of the prefill kernel.
-inline void exp_shifted_rows(float* s, const float* max, float* sum, int64_t n) {
-  int64_t r = 0;
-#ifdef OCTAVO_AVX2
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; r + 8 <= n; r += 8) {
-    const __m256 x = _mm256_loadu_ps(s + r);
-    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(x, _mm256_loadu_ps(max + r))),
-                                   _mm256_cmp_ps(x, minus_inf, _CMP_NEQ_OQ));
-    _mm256_storeu_ps(s + r, e);
-    _mm256_storeu_ps(sum + r, _mm256_add_ps(_mm256_loadu_ps(sum + r), e));
-  }
-#endif
-  for (; r < n; ++r) {
-    s[r] = std::isinf(s[r]) ? 0.f : std::exp(s[r] - max[r]);
-    sum[r] += s[r];
-  }
-}
-
 // ---- paged decode attention -----------------------------------------------------------------
 
 template <typename cache_t>
@@ -146,6 +126,24 @@ inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
   }
 #endif
   for (; i < d; ++i) acc[i] += p * to_float(v[i]);
+}
+
+// The largest of s[0, n) (-inf for none), eight lanes at a time: a scalar std::max loop is one
+// dependent chain, which the compiler may not reorder into lanes.
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#ifdef OCTAVO_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(s);
+    for (t = 8; t + 8 <= n; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  return m;
 }
 
 // s[t] <- exp(s[t] - max_score) for t < n; returns their sum.
@@ -252,8 +250,7 @@ void paged_decode_attention_generic(const PagedArgs<cache_t>& a, double scale) {
       // Softmax per head, in float32.
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
+        const float max_score = max_of(s, seq_len);
         const float inv = 1.f / exp_shifted_sum(s, seq_len, max_score);
         for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
       }
@@ -455,8 +452,7 @@ void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
       });
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
+        const float max_score = max_of(s, seq_len);
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
       acc.assign(a.heads_per_item * a.head_dim, 0.f);
@@ -535,6 +531,7 @@ inline vec_t vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec_t vadd(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* p, vec_t v) { _mm512_storeu_ps(p, v); }
+inline vec_t vload(const float* p) { return _mm512_loadu_ps(p); }
 constexpr int kTileRows = 12;  // rows of x per register tile: 24 accumulators + 2 weights + x
 #else
 using vec_t = __m256;
@@ -543,6 +540,7 @@ inline vec_t vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec_t vadd(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
 inline void vstore(float* p, vec_t v) { _mm256_storeu_ps(p, v); }
+inline vec_t vload(const float* p) { return _mm256_loadu_ps(p); }
 constexpr int kTileRows = 6;  // rows of x per register tile: 12 accumulators + 2 weights + x
 #endif
 constexpr int64_t kPanel = 2 * static_cast<int64_t>(sizeof(vec_t) / sizeof(float));
@@ -595,17 +593,19 @@ inline void load_panel(const c10::BFloat16* p, vec_t& lo, vec_t& hi) {
 // page. Past the end this touches the next panel (prefetches never fault).
 constexpr int64_t kPrefetchDepth = 16;
 template <typename weight_t>
-inline void prefetch_depth(const weight_t* panel, int64_t k) {
-  const char* ahead = reinterpret_cast<const char*>(panel + (k + kPrefetchDepth) * kPanel);
+inline void prefetch_depth(const weight_t* panel, int64_t ldp, int64_t k) {
+  const char* ahead = reinterpret_cast<const char*>(panel + (k + kPrefetchDepth) * ldp);
   _mm_prefetch(ahead, _MM_HINT_T0);
   if constexpr (sizeof(weight_t) * kPanel > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
 }
 
-// MR rows of x against one panel over all of K. The accumulators are named variables, not an
+// MR rows of x against one panel over all of K; the panel's row for depth k is at
+// panel + k * ldp (kPanel for packed weights). With `accumulate`, out += the result. The accumulators are named variables, not an
 // array: compilers keep an array of vectors this size in memory and store it every iteration.
 template <int MR, typename weight_t>
-inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int64_t k_dim,
-                        float* out, int64_t ldo, int64_t n_valid) {
+inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int64_t ldp,
+                        int64_t k_dim, float* out, int64_t ldo, int64_t n_valid,
+                        bool accumulate) {
   static_assert(MR >= 1 && MR <= kTileRows, "rows per tile");
   vec_t c0_0 = vzero(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0,
         c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
@@ -634,12 +634,12 @@ inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int6
     // depths go to a second set of accumulators (c2_*, c3_*), added in at the end.
     for (; k + 2 <= k_dim; k += 2) {
       vec_t b0, b1;
-      prefetch_depth(panel, k);
-      prefetch_depth(panel, k + 1);
-      load_panel(panel + k * kPanel, b0, b1);
+      prefetch_depth(panel, ldp, k);
+      prefetch_depth(panel, ldp, k + 1);
+      load_panel(panel + k * ldp, b0, b1);
       OCTAVO_TILE_ROW(0, k)
       OCTAVO_TILE_ROW(1, k)
-      load_panel(panel + (k + 1) * kPanel, b0, b1);
+      load_panel(panel + (k + 1) * ldp, b0, b1);
       const vec_t xa = vbroadcast(x0 + k + 1);
       c2_0 = vfma(b0, xa, c2_0);
       c2_1 = vfma(b1, xa, c2_1);
@@ -652,8 +652,8 @@ inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int6
   }
   for (; k < k_dim; ++k) {
     vec_t b0, b1;
-    prefetch_depth(panel, k);
-    load_panel(panel + k * kPanel, b0, b1);
+    prefetch_depth(panel, ldp, k);
+    load_panel(panel + k * ldp, b0, b1);
     OCTAVO_TILE_ROW(0, k)
     OCTAVO_TILE_ROW(1, k)
     OCTAVO_TILE_ROW(2, k)
@@ -684,43 +684,45 @@ inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int6
   for (int r = 0; r < MR; ++r) {
     float* o = out + r * ldo;
     if (n_valid == kPanel) {
-      vstore(o, acc[r][0]);
-      vstore(o + kPanel / 2, acc[r][1]);
+      vstore(o, accumulate ? vadd(acc[r][0], vload(o)) : acc[r][0]);
+      vstore(o + kPanel / 2, accumulate ? vadd(acc[r][1], vload(o + kPanel / 2)) : acc[r][1]);
     } else {
       float tmp[kPanel];
       vstore(tmp, acc[r][0]);
       vstore(tmp + kPanel / 2, acc[r][1]);
-      std::copy(tmp, tmp + n_valid, o);
+      for (int64_t j = 0; j < n_valid; ++j) o[j] = accumulate ? o[j] + tmp[j] : tmp[j];
     }
   }
 }
 #undef OCTAVO_TILE_ROW
 #endif
 
-// `rows` rows of x against one panel: full tiles, then one tile for the remainder.
+// `rows` rows of x against one panel: full tiles, then one tile for the remainder. The panel's
+// row for depth k is at panel + k * ldp; with `accumulate`, out += x @ panel.
 template <typename weight_t>
 void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_dim, float* out,
-                 int64_t ldo, int64_t n_valid, int64_t rows) {
+                 int64_t ldo, int64_t n_valid, int64_t rows, int64_t ldp = kPanel,
+                 bool accumulate = false) {
 #ifdef OCTAVO_AVX2
   int64_t m = 0;
-  for (; m + kTileRows <= rows; m += kTileRows) {
-    packed_tile<kTileRows>(x + m * ldx, ldx, panel, k_dim, out + m * ldo, ldo, n_valid);
-  }
-  const float* xr = x + m * ldx;
-  float* orow = out + m * ldo;
+  auto tile = [&](auto mr) {
+    packed_tile<decltype(mr)::value>(x + m * ldx, ldx, panel, ldp, k_dim, out + m * ldo, ldo,
+                                     n_valid, accumulate);
+  };
+  for (; m + kTileRows <= rows; m += kTileRows) tile(std::integral_constant<int, kTileRows>{});
   switch (rows - m) {
-    case 1: packed_tile<1>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 2: packed_tile<2>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 3: packed_tile<3>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 4: packed_tile<4>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 5: packed_tile<5>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    case 4: tile(std::integral_constant<int, 4>{}); break;
+    case 5: tile(std::integral_constant<int, 5>{}); break;
 #ifdef OCTAVO_AVX512
-    case 6: packed_tile<6>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 7: packed_tile<7>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 8: packed_tile<8>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 9: packed_tile<9>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 10: packed_tile<10>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
-    case 11: packed_tile<11>(xr, ldx, panel, k_dim, orow, ldo, n_valid); break;
+    case 6: tile(std::integral_constant<int, 6>{}); break;
+    case 7: tile(std::integral_constant<int, 7>{}); break;
+    case 8: tile(std::integral_constant<int, 8>{}); break;
+    case 9: tile(std::integral_constant<int, 9>{}); break;
+    case 10: tile(std::integral_constant<int, 10>{}); break;
+    case 11: tile(std::integral_constant<int, 11>{}); break;
 #endif
     default: break;
   }
@@ -730,8 +732,8 @@ void packed_rows(const float* x, int64_t ldx, const weight_t* panel, int64_t k_d
     for (int64_t j = 0; j < n_valid; ++j) {
       const weight_t* w = panel + panel_slot(j, bf16);
       float s = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) s += x[m * ldx + k] * to_float(w[k * kPanel]);
-      out[m * ldo + j] = s;
+      for (int64_t k = 0; k < k_dim; ++k) s += x[m * ldx + k] * to_float(w[k * ldp]);
+      out[m * ldo + j] = accumulate ? out[m * ldo + j] + s : s;
     }
   }
 #endif
@@ -791,11 +793,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // chunk of q_len tokens in a sequence of seq_len sits at position seq_len - q_len + i and sees
 // keys 0..that position. Flash-attention style: a work item is one chunk's tile of kQueryTile
 // positions for all the query heads of one kv head (so each key read serves every head that
-// reads it), packed once as the panels of a matmul; keys are taken kKeyStep at a time, copied
-// out of their blocks as float32 rows, and their scores against every query row are one
-// packed_rows call (keys x query rows); the softmax is kept online (a running max and sum per
-// query row), so nothing of seq_len x seq_len is ever held; the weights, turned to query rows x
-// keys, meet the values (copied into panels of kPanel columns) in a second packed_rows call.
+// reads it), copied once as scaled rows; keys are taken kKeyStep at a time out of their blocks,
+// as panels of kPanel keys (a transposed copy) and the values as rows; the scores of every query
+// row against them are one packed_rows call per panel (query rows x keys), the softmax is kept
+// online along each row (a running max and sum), so nothing of seq_len x seq_len is ever held,
+// and the weights meet the values in a second packed_rows call that adds into the output rows.
+// A causal mask only ever cuts a row's tail, so masked keys get weight 0 without being scored.
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 constexpr int64_t kKeyStep = 64;    // keys per step
@@ -815,9 +818,9 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
   const int64_t slot_stride = num_kv_heads * head_dim, token_stride = num_heads * head_dim;
   const int64_t num_chunks = seq_lens.size(0);
-  const int64_t d_panels = (head_dim + kPanel - 1) / kPanel, d_padded = d_panels * kPanel;
+  const int64_t d_panels = (head_dim + kPanel - 1) / kPanel;
+  constexpr int64_t key_panels = (kKeyStep + kPanel - 1) / kPanel;
   const int64_t max_rows = group * kQueryTile;
-  const int64_t max_row_panels = (max_rows + kPanel - 1) / kPanel;
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* q_lens = query_lens.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -841,18 +844,15 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   // than in contiguous runs, which would give one thread all the long ones.
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
-    // (row panels, head_dim, kPanel): query row kPanel * p + i, scaled, at [p][d][i]; zero past
-    // the rows.
-    std::vector<float> q_panels(max_row_panels * head_dim * kPanel);
-    std::vector<float> keys(kKeyStep * head_dim);                   // (keys, head_dim)
-    std::vector<float> v_panels(d_panels * kKeyStep * kPanel, 0.f);  // (d_panels, keys, kPanel)
-    std::vector<float> scores(kKeyStep * max_row_panels * kPanel);  // (keys, padded rows)
-    std::vector<float> weights(max_rows * kKeyStep);                // (rows, keys)
-    std::vector<float> weighted(max_rows * d_padded);               // (rows, d_padded)
-    std::vector<float> acc(max_rows * head_dim);
-    std::vector<float> row_max(max_row_panels * kPanel), row_sum(max_row_panels * kPanel);
-    std::vector<float> alpha(max_row_panels * kPanel);
-    std::vector<int64_t> row_pos(max_row_panels * kPanel);
+    std::vector<float> q_rows(max_rows * head_dim);  // (rows, head_dim), scaled
+    // (key panels, head_dim, kPanel): key kPanel * p + i at [p][d][i].
+    std::vector<float> k_panels(key_panels * head_dim * kPanel, 0.f);
+    // (keys, head_dim), then one panel's width of slack: a panel of the last columns reads a
+    // whole vector past a row's end where head_dim is not a multiple of kPanel.
+    std::vector<float> v_rows(kKeyStep * head_dim + kPanel, 0.f);
+    std::vector<float> scores(max_rows * kKeyStep);  // (rows, keys): scores, then weights
+    std::vector<float> acc(max_rows * head_dim);     // (rows, head_dim), unnormalised
+    std::vector<float> row_max(max_rows), row_sum(max_rows);
     for (int64_t thread = thread_begin; thread < thread_end; ++thread) {
       for (int64_t item = thread; item < num_items; item += num_threads) {
         const int64_t c = std::upper_bound(first_item.begin(), first_item.end(), item) -
@@ -863,19 +863,16 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         const int64_t p0 = tile * kQueryTile, np = std::min(kQueryTile, q_len - p0);
         const int64_t first_pos = seq_len - q_len + p0;  // position of the tile's first query
         const int64_t rows = group * np;                 // row r: head r / np, query r % np
-        const int64_t row_panels = (rows + kPanel - 1) / kPanel, ld = row_panels * kPanel;
         const int32_t* blocks = table + c * max_blocks;
-        std::fill(q_panels.begin(), q_panels.begin() + row_panels * head_dim * kPanel, 0.f);
-        for (int64_t r = 0; r < ld; ++r) row_pos[r] = first_pos + (r < rows ? r % np : 0);
         for (int64_t r = 0; r < rows; ++r) {
           const float* src = q_base + (starts[c] + p0 + r % np) * token_stride +
                              (g * group + r / np) * head_dim;
-          float* dst = q_panels.data() + (r / kPanel) * head_dim * kPanel + r % kPanel;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d * kPanel] = src[d] * fscale;
+          float* dst = q_rows.data() + r * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
         }
         std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
-        std::fill(row_max.begin(), row_max.begin() + ld, kMinusInf);
-        std::fill(row_sum.begin(), row_sum.begin() + ld, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + rows, kMinusInf);
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
         const int64_t num_keys = first_pos + np;  // the last query sees keys 0..num_keys-1
         for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyStep) {
           const int64_t nk = std::min(kKeyStep, num_keys - j0);
@@ -885,63 +882,39 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
                 static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
             const cache_t* ksrc = k_base + slot * slot_stride + g * head_dim;
             const cache_t* vsrc = v_base + slot * slot_stride + g * head_dim;
-            float* krow = keys.data() + jj * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) krow[d] = to_float(ksrc[d]);
-            for (int64_t dp = 0; dp < d_panels; ++dp) {
-              float* vrow = v_panels.data() + (dp * kKeyStep + jj) * kPanel;
-              const int64_t n = std::min(kPanel, head_dim - dp * kPanel);
-              for (int64_t i = 0; i < n; ++i) vrow[i] = to_float(vsrc[dp * kPanel + i]);
-            }
+            float* kdst = k_panels.data() + (jj / kPanel) * head_dim * kPanel + jj % kPanel;
+            for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = to_float(ksrc[d]);
+            float* vdst = v_rows.data() + jj * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) vdst[d] = to_float(vsrc[d]);
           }
-          // scores[jj][r] = q_r . k_jj (scaled), one row of keys against every query row.
-          for (int64_t p = 0; p < row_panels; ++p) {
-            packed_rows(keys.data(), head_dim, q_panels.data() + p * head_dim * kPanel, head_dim,
-                        scores.data() + p * kPanel, ld, kPanel, nk);
+          // scores[r][jj] = q_r . k_jj (scaled).
+          for (int64_t p = 0; p * kPanel < nk; ++p) {
+            packed_rows(q_rows.data(), head_dim, k_panels.data() + p * head_dim * kPanel,
+                        head_dim, scores.data() + p * kPanel, kKeyStep,
+                        std::min(kPanel, nk - p * kPanel), rows);
           }
-          // Keys past a query's position get weight 0 (only near the diagonal).
-          if (j0 + nk - 1 > first_pos) {
-            for (int64_t jj = 0; jj < nk; ++jj) {
-              float* s = scores.data() + jj * ld;
-              for (int64_t r = 0; r < ld; ++r) {
-                if (j0 + jj > row_pos[r]) s[r] = kMinusInf;
-              }
-            }
-          }
-          // Online softmax, across the rows of scores (contiguous per key).
-          for (int64_t r = 0; r < ld; ++r) alpha[r] = kMinusInf;  // this step's max
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            const float* s = scores.data() + jj * ld;
-            for (int64_t r = 0; r < ld; ++r) alpha[r] = std::max(alpha[r], s[r]);
-          }
-          for (int64_t r = 0; r < ld; ++r) {
-            const float new_max = std::max(row_max[r], alpha[r]);
-            // A row with no visible key yet in this step keeps its max (and alpha 1); no row
-            // is without visible keys at the first step (key 0 is seen by every query).
-            alpha[r] = new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
+          // Online softmax along each row, over the keys it sees (a prefix of this step's).
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = scores.data() + r * kKeyStep;
+            const int64_t seen = std::clamp<int64_t>(first_pos + r % np - j0 + 1, 0, nk);
+            const float step_max = max_of(s, seen);
+            std::fill(s + seen, s + nk, 0.f);
+            if (seen == 0) continue;  // nothing new for this row (its max and sum stand)
+            const float new_max = std::max(row_max[r], step_max);
+            // exp(-inf) = 0 at a row's first step, where acc and the sum are still 0.
+            const float alpha = new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
             row_max[r] = new_max;
-            row_sum[r] *= alpha[r];
-          }
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            float* s = scores.data() + jj * ld;
-            exp_shifted_rows(s, row_max.data(), row_sum.data(), ld);
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            float* w = weights.data() + r * kKeyStep;
-            for (int64_t jj = 0; jj < nk; ++jj) w[jj] = scores[jj * ld + r];
-            if (alpha[r] != 1.f) {
+            row_sum[r] = row_sum[r] * alpha + exp_shifted_sum(s, seen, new_max);
+            if (alpha != 1.f) {
               float* a = acc.data() + r * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha[r];
+              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
             }
           }
+          // acc[r] += weights[r] @ values.
           for (int64_t dp = 0; dp < d_panels; ++dp) {
-            packed_rows(weights.data(), kKeyStep, v_panels.data() + dp * kKeyStep * kPanel, nk,
-                        weighted.data() + dp * kPanel, d_padded,
-                        std::min(kPanel, head_dim - dp * kPanel), rows);
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            float* a = acc.data() + r * head_dim;
-            const float* w = weighted.data() + r * d_padded;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += w[d];
+            packed_rows(scores.data(), kKeyStep, v_rows.data() + dp * kPanel, nk,
+                        acc.data() + dp * kPanel, head_dim,
+                        std::min(kPanel, head_dim - dp * kPanel), rows, head_dim, true);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
