@@ -54,10 +54,6 @@ class SchedulerConfig:
     # A prompt chunk runs at most this many tokens per step (0: up to the whole budget), so
     # one long prompt cannot stall every running stream for a whole big step (vLLM's name).
     long_prefill_token_threshold: int = 0
-    # Whether the cap holds for a request that is alone in the scheduler (running or waiting):
-    # yes for an explicit threshold, as in vLLM; no for the CPU default, where the cap shields
-    # other requests and, with none, would only cost a lone prompt's time to first token.
-    long_prefill_cap_when_alone: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

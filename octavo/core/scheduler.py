@@ -71,7 +71,6 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
-        self.long_prefill_cap_when_alone = scheduler_config.long_prefill_cap_when_alone
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -168,10 +167,9 @@ class Scheduler:
 
     def _chunk(self, num_remaining: int, token_budget: int) -> int:
         """Tokens a request runs this step: what it has left, within the budget and the
-        long-prefill cap (which a request alone in the scheduler may be spared)."""
+        long-prefill cap."""
         threshold = self.long_prefill_token_threshold
-        capped = self.long_prefill_cap_when_alone or len(self.running) + len(self.waiting) > 1
-        if capped and 0 < threshold < num_remaining:
+        if 0 < threshold < num_remaining:
             num_remaining = threshold
         return min(num_remaining, token_budget)
 

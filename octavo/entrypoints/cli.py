@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--long-prefill-token-threshold", type=int, default=None,
         help="at most this many prompt tokens of one request per step (0: no cap; default: "
-        "128 on a CPU while other requests are running or waiting, no cap elsewhere)",
+        "128 on a CPU, no cap elsewhere)",
     )
     group.add_argument("--kv-cache-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)

@@ -88,7 +88,6 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             long_prefill_token_threshold=_long_prefill_token_threshold(args, device),
-            long_prefill_cap_when_alone=args.long_prefill_token_threshold is not None,
             max_model_len=max_model_len,
             admission=args.admission,
             watermark=args.watermark,

@@ -615,24 +615,6 @@ def test_long_prefill_threshold_caps_each_prompt_chunk() -> None:
     assert_all_free(scheduler)
 
 
-def test_long_prefill_cap_can_spare_a_request_alone() -> None:
-    """The CPU default's form: a prompt alone runs whole; once another request is waiting or
-    running, every prompt's chunk is capped again."""
-    scheduler = create_scheduler(num_blocks=20, long_prefill_token_threshold=4,
-                                 long_prefill_cap_when_alone=False)
-    a, b, c = create_requests(3, num_tokens=[10, 9, 6])
-    scheduler.add_request(a)
-    out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 10}
-    scheduler.add_request(b)
-    scheduler.add_request(c)
-    out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 1, "1": 4, "2": 4}
-    out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 1, "1": 4, "2": 2}
-    assert_all_free(scheduler)
-
-
 def test_long_prefill_threshold_must_not_be_negative() -> None:
     from octavo.config import EngineArgs, SchedulerConfig
 

@@ -23,13 +23,11 @@ def create_scheduler(
     enable_prefix_caching: bool = True,
     policy: AdmissionPolicy | None = None,
     long_prefill_token_threshold: int = 0,
-    long_prefill_cap_when_alone: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            long_prefill_cap_when_alone=long_prefill_cap_when_alone,
         ),
         CacheConfig(block_size, num_blocks, enable_prefix_caching),
         policy,

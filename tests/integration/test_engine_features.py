@@ -171,41 +171,27 @@ def test_logprobs(llm) -> None:
 
 
 def test_prompts_run_in_128_token_chunks_on_a_cpu_unless_set(make_llm, llm, monkeypatch) -> None:
-    """The CPU default caps each prompt's chunk per step while other requests are in the
-    scheduler (a long prompt must not freeze the running streams) and spares a prompt alone;
-    an explicit value, 0 included, is kept, and caps always (vLLM's meaning)."""
+    """The CPU default caps each prompt's chunk per step (a long prompt must not freeze the
+    running streams); an explicit value, 0 included, is kept."""
     assert llm.llm_engine.config.device == "cpu"
-    scheduler_config = llm.llm_engine.config.scheduler
-    assert scheduler_config.long_prefill_token_threshold == 128
-    assert not scheduler_config.long_prefill_cap_when_alone
+    assert llm.llm_engine.config.scheduler.long_prefill_token_threshold == 128
     uncapped = make_llm(long_prefill_token_threshold=0)
     assert uncapped.llm_engine.config.scheduler.long_prefill_token_threshold == 0
-    explicit = make_llm(long_prefill_token_threshold=128).llm_engine.config.scheduler
-    assert explicit.long_prefill_token_threshold == 128 and explicit.long_prefill_cap_when_alone
     engine = llm.llm_engine
     schedule, chunks = engine.scheduler.schedule, []
 
     def recording_schedule():
         output = schedule()
-        chunks.append((output.num_scheduled_tokens.get("long"),
-                       output.num_scheduled_tokens.get("short")))
+        chunks.append(output.num_scheduled_tokens.get("long"))
         return output
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
-    params = SamplingParams(temperature=0.0, max_tokens=2)
-    prompt = list(range(100, 400))  # 300 tokens
-    engine.add_request("long", prompt, params, OutputKind.FINAL_ONLY)
+    prompt = list(range(100, 400))  # 300 tokens: chunks of 128, 128 and 44
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=2),
+                       OutputKind.FINAL_ONLY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert chunks == [(300, None), (1, None)]  # alone: the whole prompt in one step
-    chunks.clear()
-    # New tokens, so that no prefix comes from the cache.
-    engine.add_request("long", list(range(1000, 1500)), params, OutputKind.FINAL_ONLY)
-    engine.add_request("short", list(range(2000, 2020)), params, OutputKind.FINAL_ONLY)
-    while engine.has_unfinished_requests():
-        engine.step()
-    # With company, chunks of 128; alone again once "short" has ended: the other 244 at once.
-    assert chunks == [(128, 20), (128, 1), (244, None), (1, None)]
+    assert chunks == [128, 128, 44, 1]
     assert_no_leak(llm)
 
 
