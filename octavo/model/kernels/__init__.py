@@ -42,8 +42,9 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-# Rows up to which packed_linear is used (measured against torch's GEMM up to 2,048 rows, where
-# it is still level or ahead: BENCHMARKS.md); larger batches go to torch.
+# Rows up to which packed_linear is used; larger batches go to torch. Measured against torch's
+# GEMM (BENCHMARKS.md): level or ahead up to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512
+# Intel Xeon ahead below ~256 rows and 5-10% behind MKL from ~512.
 PACKED_MAX_ROWS = 4096
 
 _state: dict[str, object] = {}

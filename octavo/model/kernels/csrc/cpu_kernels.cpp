@@ -3,9 +3,9 @@
 //  - paged_decode_attention: one query token per request attends to its keys and values where
 //    they lie in the paged cache, block by block, with no gather into a padded copy, and
 //    paged_prefill_attention, the same for prompt chunks (causal, flash-attention style);
-//  - packed_linear: out = x @ W^T for decode-sized batches (up to a few dozen rows), where BLAS
-//    GEMMs run far below memory bandwidth, from a copy of W packed at load time into panels
-//    of columns (float32, or bfloat16 widened in registers; accumulation in fp32).
+//  - packed_linear: out = x @ W^T from a copy of W packed at load time into panels of columns
+//    (float32, or bfloat16 widened in registers; accumulation in fp32): at decode sizes BLAS
+//    GEMMs run far below memory bandwidth, and up to prompt sizes it keeps level with them.
 //
 // Beside them, RMSNorm (with the residual add), rotary embedding, SiLU-and-mul and the KV cache
 // write, one pass each over the data instead of the half-dozen ops (and temporaries) they take
