@@ -600,8 +600,9 @@ inline void prefetch_depth(const weight_t* panel, int64_t ldp, int64_t k) {
 }
 
 // MR rows of x against one panel over all of K; the panel's row for depth k is at
-// panel + k * ldp (kPanel for packed weights). With `accumulate`, out += the result. The accumulators are named variables, not an
-// array: compilers keep an array of vectors this size in memory and store it every iteration.
+// panel + k * ldp (kPanel for packed weights). With `accumulate`, out += the result. The
+// accumulators are named variables, not an array: compilers keep an array of vectors this size
+// in memory and store it every iteration.
 template <int MR, typename weight_t>
 inline void packed_tile(const float* x, int64_t ldx, const weight_t* panel, int64_t ldp,
                         int64_t k_dim, float* out, int64_t ldo, int64_t n_valid,
