@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.model import kernels
-from octavo.model.layers.linear import Linear, attach_packed_weights, linear
+from octavo.model.layers.linear import Linear, PackedLinear, attach_packed_weights, linear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 
@@ -154,6 +154,50 @@ def test_linear_routes_by_rows_and_keeps_results():
                                    atol=1e-5, rtol=1e-5)
     # A bf16 input comes back in bf16 from either path.
     assert linear(few.bfloat16(), weight.bfloat16(), None, packed).dtype == torch.bfloat16
+
+
+def test_packed_max_rows_is_the_last_size_the_kernel_holds():
+    choose = kernels.choose_packed_max_rows
+    # (rows, packed s, torch s): the kernel holds while torch is not faster beyond the margin.
+    assert choose([(256, 1.0, 1.1), (512, 2.0, 2.0), (1024, 4.0, 3.5), (2048, 8.0, 9.0)],
+                  0.03) == 512
+    assert choose([(256, 1.0, 0.99), (512, 2.0, 1.95)], 0.03) == kernels.PACKED_MAX_ROWS
+    assert choose([(128, 1.0, 0.8)], 0.03) == 64  # decode-sized batches stay on the kernel
+    assert choose([], 0.03) == kernels.PACKED_MAX_ROWS
+
+
+def test_calibration_times_both_matmuls_or_takes_the_override(monkeypatch):
+    weight = torch.randn(96, 64).bfloat16().float()
+    packed = kernels.pack_linear_weight(weight)
+    monkeypatch.setenv("OCTAVO_PACKED_MAX_ROWS", "300")
+    assert kernels.calibrate_packed_max_rows(weight, packed) == 300
+    monkeypatch.delenv("OCTAVO_PACKED_MAX_ROWS")
+    limit = kernels.calibrate_packed_max_rows(weight, packed, repeats=2)
+    timed = kernels.CALIBRATION_ROWS
+    assert limit in {timed[0] // 2, *timed[:-1], kernels.PACKED_MAX_ROWS}
+    # Once per shape: a second weight of the same shape gets the same answer without timing.
+    monkeypatch.setattr(kernels, "_time_matmuls", lambda *args: pytest.fail("timed again"))
+    assert kernels.calibrate_packed_max_rows(weight * 2, packed, repeats=2) == limit
+
+
+def test_linear_takes_each_layers_limit(monkeypatch):
+    limits = iter([24, 8])
+    monkeypatch.setattr(kernels, "calibrate_packed_max_rows", lambda weight, packed: next(limits))
+    model = torch.nn.Module()
+    model.qkv = PackedLinear(8, {"q": 16, "k": 8}, bias=False)
+    model.down = Linear(8, 16, bias=False)
+    model.lm_head = Linear(8, 100, bias=False)  # only sees sampled rows: not timed
+    attach_packed_weights(model)
+    assert (model.qkv.packed_max_rows, model.down.packed_max_rows) == (24, 8)
+    assert model.lm_head.packed_max_rows is None and model.lm_head.packed_weight is not None
+    calls = []
+    real = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda *args: calls.append(1) or real(*args))
+    for rows, expected_calls in ((8, 1), (9, 0)):
+        calls.clear()
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(model.down(x), F.linear(x, model.down.weight))
+        assert len(calls) == expected_calls
 
 
 def test_packed_weights_are_bf16_only_when_lossless():

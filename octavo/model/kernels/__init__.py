@@ -6,10 +6,11 @@ Operators for work where general libraries waste the CPU:
 - `paged_prefill_attention`: the same for prompt chunks, causal, all chunks of a step in one
   call, each key read once for all the query heads that share it (torch's SDPA reaches ~50
   GFLOP/s here on a 256-token prompt and needs the keys gathered and the heads expanded);
-- `packed_linear`: x @ W^T from a copy of W packed at load time into panels of 16 columns that
+- `packed_linear`: x @ W^T from a copy of W packed at load time into panels of 16 or 32 columns that
   each thread streams contiguously, in bfloat16 where that is lossless (half the bytes; widened
   in registers, accumulated in float32). Far ahead of BLAS at decode sizes, where the weights'
-  bytes are the cost; level with or a little ahead of MKL's GEMM at prefill sizes.
+  bytes are the cost; at prompt sizes level with BLAS or behind it, by CPU and shape, so the
+  loader times both per weight shape (`calibrate_packed_max_rows`).
 And four that fold a chain of small torch ops into one pass: RMSNorm with its residual add
 (`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`, and
 `write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
@@ -42,10 +43,19 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-# Rows up to which packed_linear is used; larger batches go to torch. Measured against torch's
-# GEMM (BENCHMARKS.md): level or ahead up to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512
-# Intel Xeon ahead below ~256 rows and 5-10% behind MKL from ~512.
+# Rows up to which packed_linear is used; larger batches go to torch. Where the two cross
+# depends on the CPU and the weight's shape (BENCHMARKS.md): level or ahead up to 2,048 rows on
+# an AVX2 AMD EPYC; on an AVX-512 Intel Xeon ahead up to ~256 rows for most shapes and 5-15%
+# behind MKL beyond. So the loader times each weight shape of the decoder layers
+# (`calibrate_packed_max_rows`); this is the limit for the others (the output projection, which
+# only sees sampled rows) and the one kept where the kernel is never slower.
 PACKED_MAX_ROWS = 4096
+# Calibration: the batch sizes timed, smallest first; how much faster torch must be to take a
+# size (timings on a shared machine wobble by a few percent); and the time of one call beyond
+# which larger sizes are not timed (a large model's weights would take minutes).
+CALIBRATION_ROWS = (128, 256, 512, 1024, 2048)
+CALIBRATION_MARGIN = 0.03
+CALIBRATION_MAX_CALL_S = 0.05
 
 _state: dict[str, object] = {}
 
@@ -260,10 +270,69 @@ def packed_linear_reference(x: Tensor, packed: Tensor, n: int) -> Tensor:
     return F.linear(x.float(), unpack_linear_weight(packed, n).float())
 
 
-def use_packed_linear(x: Tensor, packed: Tensor | None) -> bool:
-    """Whether the kernel takes this matmul: at most PACKED_MAX_ROWS rows and a packed weight
-    (only CPU weights get one)."""
-    return packed is not None and x.ndim == 2 and x.shape[0] <= PACKED_MAX_ROWS and available()
+def choose_packed_max_rows(timings: list[tuple[int, float, float]], margin: float) -> int:
+    """The row limit for packed_linear from (rows, packed seconds, torch seconds), ascending in
+    rows: the largest size before the first at which torch's GEMM is faster by more than
+    `margin`; PACKED_MAX_ROWS if it never is. Below the smallest size timed the kernel is kept
+    (half of it), as decode-sized batches are what it is for."""
+    limit = 0
+    for rows, packed_s, torch_s in timings:
+        if torch_s * (1 + margin) < packed_s:
+            return limit or rows // 2
+        limit = rows
+    return PACKED_MAX_ROWS
+
+
+def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of packed_linear and of F.linear for `rows` rows, alternated so
+    that a slow moment of the machine hits both."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    n = weight.shape[0]
+    packed_linear(x, packed, n), F.linear(x, weight)  # first calls allocate and warm up
+    best_packed = best_torch = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        packed_linear(x, packed, n)
+        middle = time.perf_counter()
+        F.linear(x, weight)
+        end = time.perf_counter()
+        best_packed, best_torch = min(best_packed, middle - start), min(best_torch, end - middle)
+    return best_packed, best_torch
+
+
+def calibrate_packed_max_rows(weight: Tensor, packed: Tensor, repeats: int = 5) -> int:
+    """The row limit up to which `linear()` should use packed_linear for this weight (a CPU
+    compute weight, as torch's GEMM gets it, and its packed copy) on this machine: both timed
+    at CALIBRATION_ROWS, smallest first, until torch's is faster or one call takes longer than
+    CALIBRATION_MAX_CALL_S, then `choose_packed_max_rows`. Kept per weight shape for the process
+    (layers of one shape are timed once). OCTAVO_PACKED_MAX_ROWS, where set, is returned
+    instead of timing. ~0.3 s for each of the embedded model's four shapes on two cores."""
+    override = os.environ.get("OCTAVO_PACKED_MAX_ROWS", "")
+    if override:
+        return int(override)
+    key = ("packed_max_rows", tuple(weight.shape), weight.dtype, packed.dtype,
+           torch.get_num_threads())
+    if key not in _state:
+        timings = []
+        for rows in CALIBRATION_ROWS:
+            packed_s, torch_s = _time_matmuls(weight, packed, rows, repeats)
+            timings.append((rows, packed_s, torch_s))
+            if torch_s * (1 + CALIBRATION_MARGIN) < packed_s or packed_s > CALIBRATION_MAX_CALL_S:
+                break
+        _state[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
+        logger.info(
+            "%d x %d weight: packed matmul up to %d rows, torch's GEMM above (%s)",
+            weight.shape[0], weight.shape[1], _state[key],
+            ", ".join(f"{rows} rows {p * 1e3:.2f} vs {t * 1e3:.2f} ms" for rows, p, t in timings),
+        )
+    return int(_state[key])
+
+
+def use_packed_linear(x: Tensor, packed: Tensor | None, max_rows: int | None = None) -> bool:
+    """Whether the kernel takes this matmul: at most `max_rows` rows (PACKED_MAX_ROWS if None)
+    and a packed weight (only CPU weights get one)."""
+    limit = PACKED_MAX_ROWS if max_rows is None else max_rows
+    return packed is not None and x.ndim == 2 and x.shape[0] <= limit and available()
 
 
 # --- fused elementwise ----------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Linear layers: the matmul every projection goes through, and PackedLinear.
 
-`linear()` sends a batch of up to kernels.PACKED_MAX_ROWS rows on a CPU to the packed-panel
-kernel, reading `packed_weight`, a copy of the weight laid out once at load time
-(`attach_packed_weights`) in panels each thread streams contiguously; BLAS GEMMs run far below
-memory bandwidth at decode sizes. The copy is bfloat16 where every value of the weight is an
-exact bf16 number (a checkpoint stored in bf16, loaded for fp32 compute): the same numbers in
-half the bytes, so results do not change. Other devices, and larger batches, use torch's GEMM
-on `weight`.
+`linear()` sends a batch of up to a weight's `packed_max_rows` (measured on the machine when the
+model is loaded) on a CPU to the packed-panel kernel, reading `packed_weight`, a copy of the
+weight laid out once at load time (`attach_packed_weights`) in panels each thread streams
+contiguously; BLAS GEMMs run far below memory bandwidth at decode sizes. The copy is bfloat16
+where every value of the weight is an exact bf16 number (a checkpoint stored in bf16, loaded for
+fp32 compute): the same numbers in half the bytes, so results do not change. Other devices, and
+larger batches, use torch's GEMM on `weight`.
 
 PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
 replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping
@@ -24,10 +24,12 @@ from octavo.model import kernels
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, packed_weight: Tensor | None = None
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, packed_weight: Tensor | None = None,
+    packed_max_rows: int | None = None,
 ) -> Tensor:
-    """x: (num_tokens, in) -> (num_tokens, out) in x's dtype."""
-    if kernels.use_packed_linear(x, packed_weight):
+    """x: (num_tokens, in) -> (num_tokens, out) in x's dtype. `packed_max_rows`: the most rows
+    the packed kernel takes for this weight (kernels.PACKED_MAX_ROWS if None)."""
+    if kernels.use_packed_linear(x, packed_weight, packed_max_rows):
         out = kernels.packed_linear(x, packed_weight, weight.shape[0])
         if bias is not None:
             out += bias
@@ -37,18 +39,24 @@ def linear(
 
 def attach_packed_weights(model: nn.Module) -> tuple[int, int, int]:
     """Give every Linear (and a tied embedding, which has a `packed_weight` slot) its packed
-    copy, when the CPU kernels are available. Call once after loading. Returns (weights
-    packed, how many of them in bfloat16, bytes the copies take)."""
+    copy, when the CPU kernels are available, and each Linear of the decoder layers the row
+    limit up to which the copy beats torch's GEMM on this machine
+    (kernels.calibrate_packed_max_rows). Call once after loading. Returns (weights packed, how
+    many of them in bfloat16, bytes the copies take)."""
     count = num_bf16 = nbytes = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear) or hasattr(module, "packed_weight"):
             # pack_linear_weight decides by device and dtype (None where the kernel can't run).
             packed = kernels.pack_linear_weight(module.weight) if kernels.available() else None
             module.packed_weight = packed
-            if packed is not None:
-                count += 1
-                num_bf16 += packed.dtype == torch.bfloat16
-                nbytes += packed.numel() * packed.element_size()
+            if packed is None:
+                continue
+            count += 1
+            num_bf16 += packed.dtype == torch.bfloat16
+            nbytes += packed.numel() * packed.element_size()
+            # The output projection only ever multiplies sampled rows, never a prompt's.
+            if isinstance(module, Linear) and name.rpartition(".")[2] != "lm_head":
+                module.packed_max_rows = kernels.calibrate_packed_max_rows(module.weight, packed)
     return count, num_bf16, nbytes
 
 
@@ -56,9 +64,10 @@ class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear()`."""
 
     packed_weight: Tensor | None = None
+    packed_max_rows: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.packed_max_rows)
 
 
 class PackedLinear(Linear):
