@@ -28,11 +28,14 @@ from octavo.worker.device import default_kv_cache_bytes, resolve_device, resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# On a CPU a step's time grows with every prompt token it carries (~1.4 ms per token for the
+# On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
-# running stream for seconds. 128-token chunks keep those steps near 0.2 s there; measured at
-# no cost in throughput (BENCHMARKS.md, "Prompt chunks while decoding").
-DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
+# running stream for seconds. With a cap per prompt and step, the prompts that arrive together
+# advance together, and one that arrives while others decode delays them by one chunk's time
+# (BENCHMARKS.md, "Prompt chunks while decoding"). 256 rather than 128: a 256-token prompt then
+# runs in one step (B's TTFT ~10-20 ms less), D's 256 new tokens per prompt too, with C's and
+# D's p99 ITL unchanged ("The prompt cap at 256").
+DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 
 
 @dataclass(frozen=True)

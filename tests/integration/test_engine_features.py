@@ -170,11 +170,11 @@ def test_logprobs(llm) -> None:
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-5)
 
 
-def test_prompts_run_in_128_token_chunks_on_a_cpu_unless_set(make_llm, llm, monkeypatch) -> None:
+def test_prompts_run_in_256_token_chunks_on_a_cpu_unless_set(make_llm, llm, monkeypatch) -> None:
     """The CPU default caps each prompt's chunk per step (a long prompt must not freeze the
     running streams); an explicit value, 0 included, is kept."""
     assert llm.llm_engine.config.device == "cpu"
-    assert llm.llm_engine.config.scheduler.long_prefill_token_threshold == 128
+    assert llm.llm_engine.config.scheduler.long_prefill_token_threshold == 256
     uncapped = make_llm(long_prefill_token_threshold=0)
     assert uncapped.llm_engine.config.scheduler.long_prefill_token_threshold == 0
     engine = llm.llm_engine
@@ -186,12 +186,12 @@ def test_prompts_run_in_128_token_chunks_on_a_cpu_unless_set(make_llm, llm, monk
         return output
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
-    prompt = list(range(100, 400))  # 300 tokens: chunks of 128, 128 and 44
+    prompt = list(range(100, 550))  # 450 tokens: chunks of 256 and 194
     engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=2),
                        OutputKind.FINAL_ONLY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert chunks == [128, 128, 44, 1]
+    assert chunks == [256, 194, 1]
     assert_no_leak(llm)
 
 
