@@ -17,6 +17,8 @@ the step's SchedulerStats and IterationStats to its stat loggers (Prometheus, re
 
 from __future__ import annotations
 
+import gc
+
 import dataclasses
 import itertools
 import logging
@@ -97,9 +99,16 @@ class LLMEngine:
         eos = parts.model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
-        return cls(
+        engine = cls(
             parts.config, runner, tokenizer, tuple(eos), dict(parts.model_config.sampling_defaults)
         )
+        # What start-up built (the libraries' objects, modules, tokenizer: ~300,000 for the
+        # embedded model) lives as long as the engine. Frozen, the collector's full passes no
+        # longer walk it: each took ~0.15 s on two cores, a pause in every stream, and 1-2% of a
+        # prompt-heavy run's CPU time.
+        gc.collect()
+        gc.freeze()
+        return engine
 
     # --- requests -----------------------------------------------------------------------------
 
