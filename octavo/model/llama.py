@@ -84,15 +84,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, hidden_states: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
-        kv_cache: Tensor, attn_metadata: AttentionMetadata,
+        kv_cache: Tensor, attn_metadata: AttentionMetadata, rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (this layer's output, residual stream before it): the residual add is left
-        to the next norm, which fuses it (the first layer gets residual=None)."""
+        to the next norm, which fuses it (the first layer gets residual=None). With `rows`
+        (int64 token indices), the attention still runs on every token and caches its keys
+        and values, but the MLP and both outputs only cover those rows, in that order."""
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        if rows is not None:
+            hidden_states, residual = hidden_states[rows], residual[rows]
         hidden_states, residual = self.post_attention_layernorm.add_and_norm(
             hidden_states, residual
         )
@@ -138,7 +142,7 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata, output_rows: Tensor | None = None,
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         # One cos/sin for all layers: (num_tokens, head_dim) each.
@@ -153,11 +157,17 @@ class LlamaModel(nn.Module):
                     hidden_states, residual, args, cos, sin, kv_cache,
                     attn_metadata.slot_mapping, decode.block_table, decode.seq_lens,
                 )
+            if output_rows is not None:
+                hidden_states, residual = hidden_states[output_rows], residual[output_rows]
         else:
+            # Only the rows asked for leave the last layer: the other tokens' last MLP feeds
+            # nothing (their keys and values, which later tokens read, are cached by then).
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden_states, residual = layer(
-                    hidden_states, residual, cos, sin, kv_cache, attn_metadata
+                    hidden_states, residual, cos, sin, kv_cache, attn_metadata,
+                    output_rows if i == last else None,
                 )
         hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
         return hidden_states
@@ -205,12 +215,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata, output_rows: Tensor | None = None,
     ) -> Tensor:
         """input_ids, positions: (num_tokens,) int64, all scheduled tokens of all requests, flat,
         no padding; kv_caches: one tensor per layer (see kv_cache.py), written at
-        attn_metadata.slot_mapping. Returns hidden states (num_tokens, hidden_size)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        attn_metadata.slot_mapping. Returns hidden states (num_tokens, hidden_size), or with
+        `output_rows` ((n,) int64 token indices, e.g. the rows to sample) only those rows,
+        (n, hidden_size), which spares the last layer's MLP for the others."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """(n, hidden) -> (n, vocab_size) float32. Call it only on the rows that are sampled."""

@@ -80,9 +80,10 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+            inputs.logits_indices,
         )
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden_states)
         metadata = self._sampling_metadata(inputs.sample_rows)
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, metadata, inputs.sample_rows, scheduler_output)

@@ -113,6 +113,19 @@ def test_chunked_prefill_equals_unchunked(tiny):
     _assert_matches(chunked, hf_logits(hf_model, token_ids))
 
 
+def test_asking_for_some_rows_gives_those_rows_of_the_whole_forward(tiny):
+    """The runner asks only for the rows it samples, which spares the last layer's MLP for the
+    others: same logits as those rows of the full forward, prompt and decode steps alike, and
+    the cache the next steps read is the same (every token's keys and values still written)."""
+    _, model = tiny
+    prompts = {"a": _tokens(9, seed=5), "b": _tokens(6, seed=6)}
+    full, some = PagedHarness(model, seed=4), PagedHarness(model, seed=4)
+    steps = [prompts] + [{"a": [3 + step], "b": [7 + step]} for step in range(3)]
+    for scheduled, rows in zip(steps, [[8, 14, 0], [1], [], [0, 1]], strict=True):
+        flat = torch.cat(list(full.step(scheduled).values()))
+        torch.testing.assert_close(some.step(scheduled, rows), flat[rows], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch):
     """All-decode steps run each layer as one kernels.decode_layer call (Llama, Qwen2 with its

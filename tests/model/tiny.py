@@ -103,7 +103,11 @@ class PagedHarness:
             num_computed_tokens=num_blocks * self.block_size,
         )
 
-    def step(self, scheduled: dict[str, list[int]]) -> dict[str, Tensor]:
+    def step(
+        self, scheduled: dict[str, list[int]], output_rows: list[int] | None = None
+    ) -> dict[str, Tensor] | Tensor:
+        """With `output_rows` (indices into the step's flat rows), the model is asked for those
+        rows only and their logits come back as one tensor, in that order."""
         input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
         for request_id, token_ids in scheduled.items():
             state = self.requests.setdefault(request_id, _RequestState())
@@ -133,11 +137,14 @@ class PagedHarness:
             backend=self.backend,
             paged_kernels=self.paged_kernels,
         )
+        rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata, rows
             )
             logits = self.model.compute_logits(hidden)
+        if rows is not None:
+            return logits
         return {
             request_id: logits[query_start_loc[i] : query_start_loc[i + 1]]
             for i, request_id in enumerate(scheduled)
