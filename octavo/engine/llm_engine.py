@@ -17,9 +17,8 @@ the step's SchedulerStats and IterationStats to its stat loggers (Prometheus, re
 
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import itertools
 import logging
 import time

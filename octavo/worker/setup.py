@@ -33,8 +33,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # running stream for seconds. With a cap per prompt and step, the prompts that arrive together
 # advance together, and one that arrives while others decode delays them by one chunk's time
 # (BENCHMARKS.md, "Prompt chunks while decoding"). 256 rather than 128: a 256-token prompt then
-# runs in one step (B's TTFT ~10-20 ms less), D's 256 new tokens per prompt too, with C's and
-# D's p99 ITL unchanged ("The prompt cap at 256").
+# runs in one step, as do D's 256 new tokens per prompt (its p99 TTFT 2.4 s instead of 2.7-3.4),
+# with C's and D's p99 ITL unchanged ("The prompt cap at 256").
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 
 

@@ -6,11 +6,11 @@ Operators for work where general libraries waste the CPU:
 - `paged_prefill_attention`: the same for prompt chunks, causal, all chunks of a step in one
   call, each key read once for all the query heads that share it (torch's SDPA reaches ~50
   GFLOP/s here on a 256-token prompt and needs the keys gathered and the heads expanded);
-- `packed_linear`: x @ W^T from a copy of W packed at load time into panels of 16 or 32 columns that
-  each thread streams contiguously, in bfloat16 where that is lossless (half the bytes; widened
-  in registers, accumulated in float32). Far ahead of BLAS at decode sizes, where the weights'
-  bytes are the cost; at prompt sizes level with BLAS or behind it, by CPU and shape, so the
-  loader times both per weight shape (`calibrate_packed_max_rows`).
+- `packed_linear`: x @ W^T from a copy of W packed at load time into panels of 16 or 32
+  columns that each thread streams contiguously, in bfloat16 where that is lossless (half the
+  bytes; widened in registers, accumulated in float32). Far ahead of BLAS at decode sizes,
+  where the weights' bytes are the cost; at prompt sizes level with BLAS or behind it, by CPU
+  and shape, so the loader times both per weight shape (`calibrate_packed_max_rows`).
 And four that fold a chain of small torch ops into one pass: RMSNorm with its residual add
 (`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`, and
 `write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
