@@ -180,6 +180,20 @@ def test_calibration_times_both_matmuls_or_takes_the_override(monkeypatch):
     assert kernels.calibrate_packed_max_rows(weight * 2, packed, repeats=2) == limit
 
 
+def test_a_crossing_counts_only_if_a_second_timing_agrees(monkeypatch):
+    weight = torch.randn(80, 64).bfloat16().float()
+    packed = kernels.pack_linear_weight(weight)
+    monkeypatch.delenv("OCTAVO_PACKED_MAX_ROWS")
+    # (packed s, torch s) per call: torch "wins" at 128 once (a busy moment), then at 512 twice.
+    timings = iter([(0.010, 0.005), (0.010, 0.010), (0.020, 0.020), (0.040, 0.030),
+                    (0.040, 0.030)])
+    asked = []
+    monkeypatch.setattr(kernels, "_time_matmuls",
+                        lambda w, p, rows, repeats: asked.append(rows) or next(timings))
+    assert kernels.calibrate_packed_max_rows(weight, packed) == 256
+    assert asked == [128, 128, 256, 512, 512]
+
+
 def test_linear_takes_each_layers_limit(monkeypatch):
     limits = iter([24, 8])
     monkeypatch.setattr(kernels, "calibrate_packed_max_rows", lambda weight, packed: next(limits))
