@@ -34,6 +34,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -287,21 +288,32 @@ def _torch_is_faster(packed_s: float, torch_s: float, margin: float = CALIBRATIO
     return torch_s * (1 + margin) < packed_s
 
 
+def time_interleaved(
+    runs: dict[str, Callable[[], object]], repeats: int
+) -> dict[str, list[float]]:
+    """Seconds of each call of each named function over `repeats` rounds that run them all in
+    turn, so that the machine's drift hits every one alike (one warm-up call each first)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(max(repeats, 1)):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
     """Best-of-`repeats` seconds of packed_linear and of F.linear for `rows` rows, alternated so
     that a slow moment of the machine hits both."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     n = weight.shape[0]
-    packed_linear(x, packed, n), F.linear(x, weight)  # first calls allocate and warm up
-    best_packed = best_torch = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        packed_linear(x, packed, n)
-        middle = time.perf_counter()
-        F.linear(x, weight)
-        end = time.perf_counter()
-        best_packed, best_torch = min(best_packed, middle - start), min(best_torch, end - middle)
-    return best_packed, best_torch
+    times = time_interleaved(
+        {"packed": lambda: packed_linear(x, packed, n), "torch": lambda: F.linear(x, weight)},
+        repeats,
+    )
+    return min(times["packed"]), min(times["torch"])
 
 
 def calibrate_packed_max_rows(weight: Tensor, packed: Tensor, repeats: int = 5) -> int:

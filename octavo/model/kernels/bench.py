@@ -75,17 +75,9 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def _interleaved_median_ms(runs: dict, repeats: int) -> dict[str, float]:
-    """Median ms of each named function over `repeats` rounds that run them all in turn, so
-    that the machine's drift hits every one alike (one warm-up call each first)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():
-        fn()
-    for _ in range(max(repeats, 1)):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: round(statistics.median(values), 2) for name, values in times.items()}
+    """Median ms of each named function, timed in turn (kernels.time_interleaved)."""
+    times = kernels.time_interleaved(runs, repeats)
+    return {name: round(statistics.median(values) * 1e3, 2) for name, values in times.items()}
 
 
 def run_attention_bench(ns: argparse.Namespace) -> int:
