@@ -945,6 +945,49 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 
 // ---- RMSNorm with the residual add, and rotary embedding --------------------------------------
 
+// One row of rms_norm's first pass: rr <- xr + rr where rr is given (the row then read is rr,
+// else xr), and the sum of squares of the row read. In vector lanes with two accumulators: a
+// scalar sum is one chain of dependent adds, which the compiler may not split into lanes, and
+// it made the norm as slow as a small matmul.
+inline float add_and_sum_squares(const float* xr, float* rr, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef OCTAVO_AVX512
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    __m512 v0 = _mm512_loadu_ps(xr + i), v1 = _mm512_loadu_ps(xr + i + 16);
+    if (rr != nullptr) {
+      v0 = _mm512_add_ps(v0, _mm512_loadu_ps(rr + i));
+      v1 = _mm512_add_ps(v1, _mm512_loadu_ps(rr + i + 16));
+      _mm512_storeu_ps(rr + i, v0);
+      _mm512_storeu_ps(rr + i + 16, v1);
+    }
+    a0 = _mm512_fmadd_ps(v0, v0, a0);
+    a1 = _mm512_fmadd_ps(v1, v1, a1);
+  }
+  sum = hsum(fold16(_mm512_add_ps(a0, a1)));
+#elif defined(OCTAVO_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m256 v0 = _mm256_loadu_ps(xr + i), v1 = _mm256_loadu_ps(xr + i + 8);
+    if (rr != nullptr) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(rr + i));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(rr + i + 8));
+      _mm256_storeu_ps(rr + i, v0);
+      _mm256_storeu_ps(rr + i + 8, v1);
+    }
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  sum = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) {
+    const float v = rr != nullptr ? (rr[i] += xr[i]) : xr[i];
+    sum += v * v;
+  }
+  return sum;
+}
+
 // x, residual: (num_tokens, hidden) float32, contiguous, updated in place:
 //   residual <- x + residual;  x <- weight * (residual * rsqrt(mean(residual^2) + eps))
 // (with has_residual false, residual is ignored and x is normalised in place).
@@ -958,14 +1001,9 @@ void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, doubl
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* xr = xp + t * hidden;
-      const float* src = xr;
-      if (has_residual) {
-        float* rr = rp + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) rr[i] += xr[i];
-        src = rr;
-      }
-      float sum_sq = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) sum_sq += src[i] * src[i];
+      float* rr = has_residual ? rp + t * hidden : nullptr;
+      const float sum_sq = add_and_sum_squares(xr, rr, hidden);
+      const float* src = has_residual ? rr : xr;
       const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + feps);
       for (int64_t i = 0; i < hidden; ++i) xr[i] = wp[i] * (src[i] * inv);
     }
