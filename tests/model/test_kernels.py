@@ -95,6 +95,21 @@ def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head
     assert bool((out[[0, 101, 139, 141, 147]] == 7.0).all())
 
 
+def test_paged_prefill_attention_reads_a_query_view_in_place():
+    # The query as the model hands it over: a view into the wider q/k/v projection, its heads
+    # contiguous within a token but tokens further apart.
+    chunks = [(40, 40), (3, 20), (33, 70)]
+    query, *args = _prefill_inputs(chunks, 6, 2, 32, 16, torch.float32, seed=5)
+    wide = torch.randn(query.shape[0], 6 + 4, 32)
+    wide[:, 2:8] = query
+    view = wide[:, 2:8]
+    assert not view.is_contiguous() and kernels.heads_contiguous(view)
+    out, expected = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.paged_prefill_attention(out, view, *args, scale=0.2)
+    kernels.paged_prefill_attention(expected, query, *args, scale=0.2)
+    assert torch.equal(out, expected)
+
+
 def test_paged_prefill_attention_first_query_sees_only_the_first_key():
     query, key_cache, value_cache, block_table, *rest = _prefill_inputs(
         [(6, 6)], 4, 2, 8, 4, torch.float32, seed=1

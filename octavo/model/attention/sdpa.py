@@ -41,8 +41,8 @@ def sdpa_attention(
         return _decode(query, kv_cache, metadata, scale)
 
     dtype = query.dtype
-    if prefill is not None and not (dtype == torch.float32 and query.is_contiguous()):
-        query = query.float().contiguous()  # what the prefill kernel reads (and writes)
+    if prefill is not None and not (dtype == torch.float32 and kernels.heads_contiguous(query)):
+        query = query.float().contiguous()  # what the prefill kernel reads
     output = query.new_empty(query.shape)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_idx)

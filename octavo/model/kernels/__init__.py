@@ -175,10 +175,12 @@ def paged_prefill_attention(
     out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
     query_start: Tensor, query_lens: Tensor, seq_lens: Tensor, scale: float,
 ) -> None:
-    """Causal attention for chunks of several query tokens, over keys read in place from the
-    paged cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32,
-    contiguous; caches as for paged_decode_attention; block_table: (num_chunks, max_blocks)
-    int32; query_start, query_lens, seq_lens: (num_chunks,) int32. Chunk c is rows
+    """Causal attention for chunks of several query tokens, over keys read from the paged
+    cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
+    contiguous, query with its heads contiguous within a token (see heads_contiguous: a view
+    into a wider projection is read in place); caches as for paged_decode_attention;
+    block_table: (num_chunks, max_blocks) int32; query_start, query_lens, seq_lens:
+    (num_chunks,) int32. Chunk c is rows
     query_start[c] .. + query_lens[c] of query; its row i sits at position seq_lens[c] -
     query_lens[c] + i and sees keys 0..that position (its own included: the chunk's keys must
     already be in the cache). Rows outside the chunks are left as they are."""
@@ -397,14 +399,16 @@ def use_kv_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
         key.dtype == value.dtype == torch.float32
         and reads_cache_dtype(kv_cache.dtype)
         and key.is_cpu
-        and _token_rows_contiguous(key)
-        and _token_rows_contiguous(value)
+        and heads_contiguous(key)
+        and heads_contiguous(value)
         and kv_cache.is_contiguous()
         and available()
     )
 
 
-def _token_rows_contiguous(x: Tensor) -> bool:
+def heads_contiguous(x: Tensor) -> bool:
+    """Whether each token's heads of x (..., num_heads, head_dim) lie one after another, as the
+    kernels that take views into a wider projection read them."""
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 

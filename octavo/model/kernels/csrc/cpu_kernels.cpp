@@ -792,17 +792,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // Chunks of several query tokens (a prompt, or the part of one after its cached prefix), each
 // attending causally to its sequence's keys where they lie in the paged cache: query i of a
 // chunk of q_len tokens in a sequence of seq_len sits at position seq_len - q_len + i and sees
-// keys 0..that position. Flash-attention style: a work item is one chunk's tile of kQueryTile
-// positions for all the query heads of one kv head (so each key read serves every head that
-// reads it), copied once as scaled rows; keys are taken kKeyStep at a time out of their blocks,
-// as panels of kPanel keys (a transposed copy) and the values as rows; the scores of every query
+// keys 0..that position. Two passes. First each (chunk, kv head)'s keys and values are read out
+// of their blocks once, in float32: the keys as panels of kPanel keys (a transposed copy), the
+// values as rows. Then flash-attention style: a work item is one chunk's tile of kQueryTile
+// positions for all the query heads of one kv head (so each key serves every head that reads
+// it), copied once as scaled rows; keys are taken kKeyStep at a time, the scores of every query
 // row against them are one packed_rows call per panel (query rows x keys), the softmax is kept
 // online along each row (a running max and sum), so nothing of seq_len x seq_len is ever held,
 // and the weights meet the values in a second packed_rows call that adds into the output rows.
 // A causal mask only ever cuts a row's tail, so masked keys get weight 0 without being scored.
+// (Gathering inside the items instead read every key once per query tile after it: about half
+// the kernel's time for 256-token prompts.)
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
-constexpr int64_t kKeyStep = 64;    // keys per step
+constexpr int64_t kKeyStep = 64;    // keys per step (a multiple of kPanel)
 
 template <typename cache_t>
 void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
@@ -810,17 +813,18 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& block_table, const at::Tensor& query_start,
                                   const at::Tensor& query_lens, const at::Tensor& seq_lens,
                                   double scale) {
-  // query, out: (num_tokens, num_heads, head_dim) float32; key_cache, value_cache: (num_blocks,
-  // block_size, num_kv_heads, head_dim); block_table: (num_chunks, max_blocks) int32;
-  // query_start, query_lens, seq_lens: (num_chunks,) int32; chunk c is rows query_start[c] ..
-  // query_start[c] + query_lens[c].
+  // query: (num_tokens, num_heads, head_dim) float32 with its heads contiguous within a token
+  // (a view into a wider projection is fine); out: the same shape, contiguous; key_cache,
+  // value_cache: (num_blocks, block_size, num_kv_heads, head_dim); block_table: (num_chunks,
+  // max_blocks) int32; query_start, query_lens, seq_lens: (num_chunks,) int32; chunk c is rows
+  // query_start[c] .. query_start[c] + query_lens[c].
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
-  const int64_t slot_stride = num_kv_heads * head_dim, token_stride = num_heads * head_dim;
+  const int64_t slot_stride = num_kv_heads * head_dim, out_stride = num_heads * head_dim;
+  const int64_t query_stride = query.stride(0);
   const int64_t num_chunks = seq_lens.size(0);
   const int64_t d_panels = (head_dim + kPanel - 1) / kPanel;
-  constexpr int64_t key_panels = (kKeyStep + kPanel - 1) / kPanel;
   const int64_t max_rows = group * kQueryTile;
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* q_lens = query_lens.data_ptr<int32_t>();
@@ -834,23 +838,77 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
   // Work items in the order (chunk, query tile, kv head); first_item[c] is chunk c's first.
-  std::vector<int64_t> first_item(num_chunks + 1, 0);
+  // Chunk c's keys and values for kv head g: key_at(c, g) holds its key panels ((keys rounded
+  // up to kPanel) x head_dim floats, key kPanel * p + i of a panel at [p][d][i]), value_at(c,
+  // g) its value rows (keys x head_dim, then one panel's width of slack: a panel of the last
+  // columns reads a whole vector past a row's end where head_dim is not a multiple of kPanel).
+  std::vector<int64_t> first_item(num_chunks + 1, 0), key_offset(num_chunks + 1, 0),
+      value_offset(num_chunks + 1, 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t tiles = (q_lens[c] + kQueryTile - 1) / kQueryTile;
     first_item[c + 1] = first_item[c] + tiles * num_kv_heads;
+    const int64_t padded = (lens[c] + kPanel - 1) / kPanel * kPanel;
+    key_offset[c + 1] = key_offset[c] + num_kv_heads * padded * head_dim;
+    value_offset[c + 1] = value_offset[c] + num_kv_heads * (lens[c] * head_dim + kPanel);
   }
   const int64_t num_items = first_item[num_chunks];
   if (num_items == 0) return;
-  // Later tiles of a chunk see more keys, so threads take items in turn (item % threads) rather
-  // than in contiguous runs, which would give one thread all the long ones.
+  // Grown, never shrunk, by the calling thread: a fresh allocation of this size would fault
+  // its pages in on every call.
+  static thread_local std::vector<float> gathered;
+  const size_t needed = static_cast<size_t>(key_offset[num_chunks] + value_offset[num_chunks]);
+  if (gathered.size() < needed) gathered.resize(needed);
+  float* const keys_base = gathered.data();
+  float* const values_base = keys_base + key_offset[num_chunks];
+  auto key_at = [&](int64_t c, int64_t g) {
+    const int64_t padded = (lens[c] + kPanel - 1) / kPanel * kPanel;
+    return keys_base + key_offset[c] + g * padded * head_dim;
+  };
+  auto value_at = [&](int64_t c, int64_t g) {
+    return values_base + value_offset[c] + g * (lens[c] * head_dim + kPanel);
+  };
+
+  // Pass 1: one task per (chunk, kv head, cache block).
+  std::vector<int64_t> first_block(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    first_block[c + 1] = first_block[c] + num_kv_heads * ((lens[c] + block_size - 1) / block_size);
+  }
+  at::parallel_for(0, first_block[num_chunks], 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = std::upper_bound(first_block.begin(), first_block.end(), task) -
+                        first_block.begin() - 1;
+      const int64_t blocks_in_chunk = (lens[c] + block_size - 1) / block_size;
+      const int64_t g = (task - first_block[c]) / blocks_in_chunk;
+      const int64_t b = (task - first_block[c]) % blocks_in_chunk;
+      const int64_t j_begin = b * block_size;
+      const int64_t j_end = std::min<int64_t>(j_begin + block_size, lens[c]);
+      const int64_t slot0 = static_cast<int64_t>(table[c * max_blocks + b]) * block_size;
+      float* kc = key_at(c, g);
+      float* vc = value_at(c, g);
+      for (int64_t j = j_begin; j < j_end; ++j) {
+        const int64_t slot = slot0 + (j - j_begin);
+        const cache_t* ksrc = k_base + slot * slot_stride + g * head_dim;
+        const cache_t* vsrc = v_base + slot * slot_stride + g * head_dim;
+        float* kdst = kc + (j / kPanel) * head_dim * kPanel + j % kPanel;
+        for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = to_float(ksrc[d]);
+        float* vdst = vc + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) vdst[d] = to_float(vsrc[d]);
+      }
+      if (j_end == lens[c]) {  // the last block: zero the last panel's unused keys, the slack
+        for (int64_t j = j_end; j % kPanel != 0; ++j) {
+          float* kdst = kc + (j / kPanel) * head_dim * kPanel + j % kPanel;
+          for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = 0.f;
+        }
+        std::fill(vc + lens[c] * head_dim, vc + lens[c] * head_dim + kPanel, 0.f);
+      }
+    }
+  });
+
+  // Pass 2. Later tiles of a chunk see more keys, so threads take items in turn (item %
+  // threads) rather than in contiguous runs, which would give one thread all the long ones.
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
     std::vector<float> q_rows(max_rows * head_dim);  // (rows, head_dim), scaled
-    // (key panels, head_dim, kPanel): key kPanel * p + i at [p][d][i].
-    std::vector<float> k_panels(key_panels * head_dim * kPanel, 0.f);
-    // (keys, head_dim), then one panel's width of slack: a panel of the last columns reads a
-    // whole vector past a row's end where head_dim is not a multiple of kPanel.
-    std::vector<float> v_rows(kKeyStep * head_dim + kPanel, 0.f);
     std::vector<float> scores(max_rows * kKeyStep);  // (rows, keys): scores, then weights
     std::vector<float> acc(max_rows * head_dim);     // (rows, head_dim), unnormalised
     std::vector<float> row_max(max_rows), row_sum(max_rows);
@@ -864,9 +922,10 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         const int64_t p0 = tile * kQueryTile, np = std::min(kQueryTile, q_len - p0);
         const int64_t first_pos = seq_len - q_len + p0;  // position of the tile's first query
         const int64_t rows = group * np;                 // row r: head r / np, query r % np
-        const int32_t* blocks = table + c * max_blocks;
+        const float* keys = key_at(c, g);
+        const float* values = value_at(c, g);
         for (int64_t r = 0; r < rows; ++r) {
-          const float* src = q_base + (starts[c] + p0 + r % np) * token_stride +
+          const float* src = q_base + (starts[c] + p0 + r % np) * query_stride +
                              (g * group + r / np) * head_dim;
           float* dst = q_rows.data() + r * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
@@ -877,20 +936,9 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         const int64_t num_keys = first_pos + np;  // the last query sees keys 0..num_keys-1
         for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyStep) {
           const int64_t nk = std::min(kKeyStep, num_keys - j0);
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            const int64_t j = j0 + jj;
-            const int64_t slot =
-                static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
-            const cache_t* ksrc = k_base + slot * slot_stride + g * head_dim;
-            const cache_t* vsrc = v_base + slot * slot_stride + g * head_dim;
-            float* kdst = k_panels.data() + (jj / kPanel) * head_dim * kPanel + jj % kPanel;
-            for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = to_float(ksrc[d]);
-            float* vdst = v_rows.data() + jj * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) vdst[d] = to_float(vsrc[d]);
-          }
-          // scores[r][jj] = q_r . k_jj (scaled).
+          // scores[r][jj] = q_r . k_(j0 + jj) (scaled).
           for (int64_t p = 0; p * kPanel < nk; ++p) {
-            packed_rows(q_rows.data(), head_dim, k_panels.data() + p * head_dim * kPanel,
+            packed_rows(q_rows.data(), head_dim, keys + (j0 / kPanel + p) * head_dim * kPanel,
                         head_dim, scores.data() + p * kPanel, kKeyStep,
                         std::min(kPanel, nk - p * kPanel), rows);
           }
@@ -913,13 +961,13 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
           }
           // acc[r] += weights[r] @ values.
           for (int64_t dp = 0; dp < d_panels; ++dp) {
-            packed_rows(scores.data(), kKeyStep, v_rows.data() + dp * kPanel, nk,
+            packed_rows(scores.data(), kKeyStep, values + j0 * head_dim + dp * kPanel, nk,
                         acc.data() + dp * kPanel, head_dim,
                         std::min(kPanel, head_dim - dp * kPanel), rows, head_dim, true);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
-          float* dst = out_base + (starts[c] + p0 + r % np) * token_stride +
+          float* dst = out_base + (starts[c] + p0 + r % np) * out_stride +
                        (g * group + r / np) * head_dim;
           const float inv = 1.f / row_sum[r];
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[r * head_dim + d] * inv;
