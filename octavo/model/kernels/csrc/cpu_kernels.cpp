@@ -94,6 +94,26 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 // exp for any x: large arguments are clamped where the result still fits a float (~2e38).
 inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
+#ifdef OCTAVO_AVX512
+// The same steps in sixteen lanes (so the same values lane for lane).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i pow2n =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
+}
+#endif
 #endif
 
 // ---- paged decode attention -----------------------------------------------------------------
@@ -128,15 +148,22 @@ inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
   for (; i < d; ++i) acc[i] += p * to_float(v[i]);
 }
 
-// The largest of s[0, n) (-inf for none), eight lanes at a time: a scalar std::max loop is one
+// The largest of s[0, n) (-inf for none), in vector lanes: a scalar std::max loop is one
 // dependent chain, which the compiler may not reorder into lanes.
 inline float max_of(const float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
+#ifdef OCTAVO_AVX512
+  if (n >= 16) {
+    __m512 v = _mm512_loadu_ps(s);
+    for (t = 16; t + 16 <= n; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + t));
+    m = _mm512_reduce_max_ps(v);
+  }
+#endif
 #ifdef OCTAVO_AVX2
-  if (n >= 8) {
-    __m256 v = _mm256_loadu_ps(s);
-    for (t = 8; t + 8 <= n; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + t));
+  if (n - t >= 8) {
+    __m256 v = _mm256_max_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m));
+    for (t += 8; t + 8 <= n; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + t));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
@@ -150,6 +177,16 @@ inline float max_of(const float* s, int64_t n) {
 inline float exp_shifted_sum(float* s, int64_t n, float max_score) {
   int64_t t = 0;
   float sum = 0.f;
+#ifdef OCTAVO_AVX512
+  const __m512 m16 = _mm512_set1_ps(max_score);
+  __m512 acc16 = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m16));
+    _mm512_storeu_ps(s + t, e);
+    acc16 = _mm512_add_ps(acc16, e);
+  }
+  sum = _mm512_reduce_add_ps(acc16);
+#endif
 #ifdef OCTAVO_AVX2
   const __m256 m = _mm256_set1_ps(max_score);
   __m256 acc = _mm256_setzero_ps();
@@ -158,7 +195,7 @@ inline float exp_shifted_sum(float* s, int64_t n, float max_score) {
     _mm256_storeu_ps(s + t, e);
     acc = _mm256_add_ps(acc, e);
   }
-  sum = hsum(acc);
+  sum += hsum(acc);
 #endif
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - max_score);
