@@ -81,9 +81,9 @@ def _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head_dim,
                                                    block_size, dtype):
-    # Whole prompts (one longer than a query tile and a key step), chunks after a cached prefix
-    # (starting mid-block), and a one-token chunk.
-    chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77)]
+    # Whole prompts (one longer than a query tile, one longer than a key step of 256), chunks
+    # after a cached prefix (starting mid-block, one crossing a key step), and a one-token chunk.
+    chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77), (300, 300), (20, 530)]
     query, *args = _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                    seed=num_heads + head_dim)
     out = torch.full_like(query, 7.0)
@@ -92,7 +92,7 @@ def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head
     kernels.paged_prefill_attention_reference(expected, query, *args, scale=head_dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # Rows between the chunks are not touched.
-    assert bool((out[[0, 101, 139, 141, 147]] == 7.0).all())
+    assert bool((out[[0, 101, 139, 141, 147, 218, 519]] == 7.0).all())
 
 
 def test_paged_prefill_attention_reads_a_query_view_in_place():

@@ -842,7 +842,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // the kernel's time for 256-token prompts.)
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
-constexpr int64_t kKeyStep = 64;    // keys per step (a multiple of kPanel)
+// Keys per step, a multiple of kPanel: every row is rescaled once per step, and a step's scores
+// (rows x keys) still sit in L2. 256 rather than 64: ~8% faster for 256-token prompts.
+constexpr int64_t kKeyStep = 256;
 
 template <typename cache_t>
 void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
