@@ -180,10 +180,10 @@ def paged_prefill_attention(
     contiguous, query with its heads contiguous within a token (see heads_contiguous: a view
     into a wider projection is read in place); caches as for paged_decode_attention;
     block_table: (num_chunks, max_blocks) int32; query_start, query_lens, seq_lens:
-    (num_chunks,) int32. Chunk c is rows
-    query_start[c] .. + query_lens[c] of query; its row i sits at position seq_lens[c] -
-    query_lens[c] + i and sees keys 0..that position (its own included: the chunk's keys must
-    already be in the cache). Rows outside the chunks are left as they are."""
+    (num_chunks,) int32. Chunk c is rows query_start[c] .. + query_lens[c] of query; its row i
+    sits at position seq_lens[c] - query_lens[c] + i and sees keys 0..that position (its own
+    included: the chunk's keys must already be in the cache). Rows outside the chunks are left
+    as they are."""
     torch.ops.octavo.paged_prefill_attention(
         out, query, key_cache, value_cache, block_table, query_start, query_lens, seq_lens, scale
     )

@@ -892,10 +892,13 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   }
   const int64_t num_items = first_item[num_chunks];
   if (num_items == 0) return;
-  // Grown, never shrunk, by the calling thread: a fresh allocation of this size would fault
-  // its pages in on every call.
-  static thread_local std::vector<float> gathered;
+  // Kept by the calling thread between calls up to kKeptGatherFloats (a fresh allocation would
+  // fault its pages in on every call); a step with more context than that allocates its own.
+  constexpr size_t kKeptGatherFloats = size_t{16} << 20;  // 64 MiB
+  static thread_local std::vector<float> kept;
+  std::vector<float> own;
   const size_t needed = static_cast<size_t>(key_offset[num_chunks] + value_offset[num_chunks]);
+  std::vector<float>& gathered = needed <= kKeptGatherFloats ? kept : own;
   if (gathered.size() < needed) gathered.resize(needed);
   float* const keys_base = gathered.data();
   float* const values_base = keys_base + key_offset[num_chunks];
@@ -910,7 +913,8 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   // Pass 1: one task per (chunk, kv head, cache block).
   std::vector<int64_t> first_block(num_chunks + 1, 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    first_block[c + 1] = first_block[c] + num_kv_heads * ((lens[c] + block_size - 1) / block_size);
+    const int64_t blocks = (lens[c] + block_size - 1) / block_size;
+    first_block[c + 1] = first_block[c] + num_kv_heads * blocks;
   }
   at::parallel_for(0, first_block[num_chunks], 4, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
