@@ -73,47 +73,67 @@ inline float hsum(__m256 v) {
   shuf = _mm_movehl_ps(shuf, sums);
   return _mm_cvtss_f32(_mm_add_ss(sums, shuf));
 }
+// The lane operations exp_nonpositive needs, for eight and for sixteen lanes, so that one body
+// serves both widths (and gives the same values lane for lane).
+template <typename V>
+struct Lanes;
+template <>
+struct Lanes<__m256> {
+  static __m256 set1(float v) { return _mm256_set1_ps(v); }
+  static __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+  static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+  static __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+  static __m256 round(__m256 x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  // p * 2^n for whole-number n.
+  static __m256 scale_pow2(__m256 p, __m256 n) {
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+};
+#ifdef OCTAVO_AVX512
+template <>
+struct Lanes<__m512> {
+  static __m512 set1(float v) { return _mm512_set1_ps(v); }
+  static __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+  static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+  static __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+  static __m512 round(__m512 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static __m512 scale_pow2(__m512 p, __m512 n) {
+    const __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  }
+};
+#endif
 // exp for x <= 0 (softmax after subtracting the max): Cephes' range reduction to
 // 2^n * exp(r), |r| <= ln2 / 2, and its degree-5 polynomial; relative error ~2e-7.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i pow2n =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+template <typename V>
+inline V exp_nonpositive(V x) {
+  using L = Lanes<V>;
+  x = L::max(x, L::set1(-87.3f));
+  const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  V r = L::fnmadd(n, L::set1(0.693359375f), x);
+  r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
+  V p = L::set1(1.9875691500e-4f);
+  p = L::fmadd(p, r, L::set1(1.3981999507e-3f));
+  p = L::fmadd(p, r, L::set1(8.3334519073e-3f));
+  p = L::fmadd(p, r, L::set1(4.1665795894e-2f));
+  p = L::fmadd(p, r, L::set1(1.6666665459e-1f));
+  p = L::fmadd(p, r, L::set1(5.0000001201e-1f));
+  p = L::fmadd(p, L::mul(r, r), L::add(r, L::set1(1.f)));
+  return L::scale_pow2(p, n);
 }
 // exp for any x: large arguments are clamped where the result still fits a float (~2e38).
 inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
-#ifdef OCTAVO_AVX512
-// The same steps in sixteen lanes (so the same values lane for lane).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i pow2n =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
-}
-#endif
 #endif
 
 // ---- paged decode attention -----------------------------------------------------------------
