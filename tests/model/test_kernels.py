@@ -27,14 +27,20 @@ def _paged_inputs(num_seqs, seq_lens, num_heads, num_kv_heads, head_dim, block_s
     return query, key_cache.to(dtype), value_cache.to(dtype), block_table, lens
 
 
+# Head sizes of 64 and 128 take the AVX-512 path where there is one: groups of 1, 3 and 7
+# query heads (7 = 4 + 3 in its value pass, 3 at 128 = 2 + 1), blocks of 8, 16 and 32 tokens
+# (scores go sixteen keys at a time). Others take the AVX2 or generic loops.
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (2, 1, 20, 3)],
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (2, 1, 20, 3), (28, 4, 64, 32),
+     (12, 4, 128, 8), (8, 8, 64, 16)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("few", [False, True], ids=["many-seqs", "one-seq"])
 def test_paged_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
-                                                  dtype):
-    seq_lens = [1, block_size, block_size + 1, 37, 5 * block_size - 1]
+                                                  dtype, few):
+    # One sequence is split by kv head between threads; many are split by sequence.
+    seq_lens = [37] if few else [1, block_size, block_size + 1, 37, 5 * block_size - 1]
     inputs = _paged_inputs(len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim,
                            block_size, dtype, seed=num_heads + head_dim)
     out = kernels.paged_decode_attention(*inputs, scale=head_dim**-0.5)

@@ -536,13 +536,206 @@ void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
 }
 #endif
 
-// The AVX2 version where head_dim allows it, else the generic loops.
+#ifdef OCTAVO_AVX512
+// [sum(v[0]), ..., sum(v[15])]: sixteen horizontal sums in one vector, by four rounds of shuffles
+// and adds that halve the vectors each time (45 instructions, where a reduction per vector
+// takes eight each).
+inline __m512 hsum16(const __m512 (&v)[16]) {
+  __m512 s[8];  // lane pairs added: per 128-bit lane, [v2i: 0+2, v2i+1: 0+2, v2i: 1+3, v2i+1: 1+3]
+  for (int i = 0; i < 8; ++i) {
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 t[4];  // per 128-bit lane, that lane's sum of v4i .. v4i+3
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Then across 128-bit lanes: 0x88 takes lanes 0 and 2 of each operand, 0xDD lanes 1 and 3.
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88),
+                                 _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88),
+                                 _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// q . k for the n <= 16 key rows k + t * stride, in the first n lanes (the rest 0). The query's
+// D floats stay in registers; each dot product is two FMA chains, and the sixteen are reduced
+// together (hsum16).
+template <int D, typename cache_t>
+inline __m512 scores16(const float* q, const cache_t* k, int64_t stride, int64_t n) {
+  static_assert(D % 32 == 0, "two chains of 16 lanes");
+  __m512 qv[D / 16];
+#pragma GCC unroll 8
+  for (int j = 0; j < D / 16; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+  __m512 p[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const cache_t* row = k + t * stride;
+      __m512 a = _mm512_mul_ps(qv[0], load16(row));
+      __m512 b = _mm512_mul_ps(qv[1], load16(row + 16));
+#pragma GCC unroll 8
+      for (int j = 2; j < D / 16; j += 2) {
+        a = _mm512_fmadd_ps(qv[j], load16(row + 16 * j), a);
+        b = _mm512_fmadd_ps(qv[j + 1], load16(row + 16 * j + 16), b);
+      }
+      p[t] = _mm512_add_ps(a, b);
+    } else {
+      p[t] = _mm512_setzero_ps();
+    }
+  }
+  return hsum16(p);
+}
+
+// acc[h][0, D) += sum_t p[h * p_stride + t] * row_t[0, D) for the HB heads h < HB that share
+// the n value rows row + t * stride: each row is loaded once into registers for all HB heads,
+// whose HB x D / 16 accumulators are as many independent FMA chains.
+template <int D, int HB, typename cache_t>
+inline void weighted_rows16(float* acc, const float* p, int64_t p_stride, const cache_t* row,
+                            int64_t stride, int64_t n) {
+  __m512 a[HB][D / 16];
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j) a[h][j] = _mm512_loadu_ps(acc + h * D + 16 * j);
+  }
+  for (int64_t t = 0; t < n; ++t, row += stride) {
+    __m512 v[D / 16];
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j) v[j] = load16(row + 16 * j);
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h) {
+      const __m512 pt = _mm512_set1_ps(p[h * p_stride + t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < D / 16; ++j) a[h][j] = _mm512_fmadd_ps(pt, v[j], a[h][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[h][j]);
+  }
+}
+
+// Heads per weighted_rows16 call: sixteen accumulators at most, so that they, a value row and
+// the broadcast weight fit the 32 vector registers.
+template <int D>
+constexpr int kValueHeads = 256 / D;
+
+// weighted_rows16 for `heads` heads (any number), in calls of up to kValueHeads<D>.
+template <int D, typename cache_t>
+inline void weighted_heads(float* acc, const float* p, int64_t p_stride, const cache_t* row,
+                           int64_t stride, int64_t n, int64_t heads) {
+  for (int64_t h = 0; h < heads; h += kValueHeads<D>) {
+    float* a = acc + h * D;
+    const float* ph = p + h * p_stride;
+    switch (std::min<int64_t>(kValueHeads<D>, heads - h)) {
+      case 1: weighted_rows16<D, 1>(a, ph, p_stride, row, stride, n); break;
+      case 2: weighted_rows16<D, 2>(a, ph, p_stride, row, stride, n); break;
+      case 3:
+        if constexpr (kValueHeads<D> >= 3) weighted_rows16<D, 3>(a, ph, p_stride, row, stride, n);
+        break;
+      default:
+        if constexpr (kValueHeads<D> >= 4) weighted_rows16<D, 4>(a, ph, p_stride, row, stride, n);
+        break;
+    }
+  }
+}
+
+// The AVX-512 version for head_dim D (64 or 128). Scores: sixteen keys at a time against one
+// query head held in registers, reduced together (scores16); a block's keys of a kv head are
+// read from memory for its first query head and from L1 for the others. Values: each value row
+// loaded once for up to kValueHeads query heads (weighted_heads). As in the AVX2 version, the
+// next block is prefetched a share at a time and the softmax is normalised on the output.
+template <int D, typename cache_t>
+void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
+  const int64_t item_width = a.kv_per_item * D;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (heads_per_item, seq_len), exps after the softmax's first pass
+    std::vector<float> acc;     // (heads_per_item, D)
+    std::vector<float> inv_sum(a.heads_per_item);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / a.items_per_seq;
+      const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
+      const int64_t seq_len = a.lens[seq];
+      const int32_t* blocks = a.table + seq * a.max_blocks;
+      const float* q = a.q_base + (seq * a.num_heads) * D + offset * a.group;
+      scores.resize(a.heads_per_item * seq_len);
+      // This head's share of the next block's rows, so that the prefetches spread over the
+      // block's work.
+      auto prefetch_share = [&](const cache_t* next, int64_t n_next, int64_t h) {
+        const int64_t r0 = h * n_next / a.heads_per_item;
+        const int64_t r1 = (h + 1) * n_next / a.heads_per_item;
+        if (r1 > r0) prefetch_rows(next + r0 * a.slot_stride, r1 - r0, a.slot_stride, item_width);
+      };
+      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
+                         int64_t n_next) {
+        for (int64_t h = 0; h < a.heads_per_item; ++h) {
+          prefetch_share(next, n_next, h);
+          const cache_t* k = block + (h / a.group) * D;
+          float* dst = scores.data() + h * seq_len + start;
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t nt = std::min<int64_t>(16, n - t0);
+            const __m512 s = _mm512_mul_ps(
+                scores16<D>(q + h * D, k + t0 * a.slot_stride, a.slot_stride, nt), vscale);
+            _mm512_mask_storeu_ps(dst + t0, static_cast<__mmask16>((1u << nt) - 1), s);
+          }
+        }
+      });
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        float* s = scores.data() + h * seq_len;
+        const float max_score = max_of(s, seq_len);
+        inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
+      }
+      acc.assign(a.heads_per_item * D, 0.f);
+      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
+                         int64_t n_next) {
+        for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
+          for (int64_t h = kv * a.group; h < (kv + 1) * a.group; ++h) {
+            prefetch_share(next, n_next, h);
+          }
+          weighted_heads<D>(acc.data() + kv * a.group * D,
+                            scores.data() + kv * a.group * seq_len + start, seq_len,
+                            block + kv * D, a.slot_stride, n, a.group);
+        }
+      });
+      float* out_row = a.out_base + (seq * a.num_heads) * D + offset * a.group;
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int64_t i = 0; i < D; i += 16) {
+          _mm512_storeu_ps(out_row + h * D + i,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * D + i), inv));
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The AVX-512 version for head_dim 64 or 128, the AVX2 one where head_dim allows it, else the
+// generic loops.
 template <typename cache_t>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
                                  double scale) {
   const PagedArgs<cache_t> args(out, query, key_cache, value_cache, block_table, seq_lens);
+#ifdef OCTAVO_AVX512
+  if (args.head_dim == 64) {
+    paged_decode_attention_avx512<64>(args, scale);
+    return;
+  }
+  if (args.head_dim == 128) {
+    paged_decode_attention_avx512<128>(args, scale);
+    return;
+  }
+#endif
 #ifdef OCTAVO_AVX2
   if (args.head_dim % 8 == 0) {
     paged_decode_attention_tiled(args, scale);
