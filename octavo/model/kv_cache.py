@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from octavo.model import memory
 from octavo.model.config import ModelConfig
 
 
@@ -22,15 +23,15 @@ def allocate_kv_cache(
 ) -> list[Tensor]:
     """num_hidden_layers zero-filled tensors of (2, num_blocks, block_size, num_kv_heads,
     head_dim). Zeros, not empty: backends read padded slots under a mask, and uninitialised
-    memory may hold NaN or inf, which a mask does not cancel (0 * NaN is NaN)."""
+    memory may hold NaN or inf, which a mask does not cancel (0 * NaN is NaN). Filled here, so
+    that the whole capacity is resident from the start, as stated. On CPU in huge pages
+    (`memory.empty`): attention reads the cache a block at a time at scattered places."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(
             f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}."
         )
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-    ]
+    return [memory.empty(shape, dtype, device).zero_() for _ in range(config.num_hidden_layers)]
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
