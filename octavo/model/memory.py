@@ -47,3 +47,22 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+
+def empty_many(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str = "cpu",
+    align: int = 64,
+) -> list[Tensor]:
+    """Uninitialised contiguous tensors of the given (shape, dtype)s laid one after another (each
+    on an `align`-byte boundary) in one `empty` allocation, so that many tensors below 2 MiB
+    each, such as a model's packed weights, share huge pages. Each keeps the allocation alive."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // align) * align
+    arena = empty((end,), torch.uint8, device)
+    return [
+        arena[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (shape, dtype), offset in zip(specs, offsets)
+    ]

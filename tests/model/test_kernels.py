@@ -249,6 +249,12 @@ def test_packed_weights_are_bf16_only_when_lossless():
     assert layer.packed_weight.dtype == torch.bfloat16
     assert other.packed_weight.dtype == torch.float32
     assert kernels.pack_linear_weight(exact.half()) is None  # no kernel for fp16 weights
+    # Both copies in one allocation, each as pack_linear_weight alone would give it.
+    assert layer.packed_weight.untyped_storage().data_ptr() == (
+        other.packed_weight.untyped_storage().data_ptr()
+    )
+    assert torch.equal(layer.packed_weight, kernels.pack_linear_weight(exact))
+    assert torch.equal(other.packed_weight, kernels.pack_linear_weight(inexact))
     x = torch.randn(2, 8)
     # Either copy holds the weight's numbers, so outputs are what fp32 gives.
     torch.testing.assert_close(layer(x), F.linear(x, exact), atol=1e-5, rtol=1e-5)

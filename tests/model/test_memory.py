@@ -42,6 +42,19 @@ def test_small_tensors_and_disabled_huge_pages_take_torch_empty(monkeypatch):
     assert big.untyped_storage().nbytes() == (1 << 22)  # no extra room for alignment
 
 
+def test_many_tensors_share_one_allocation_without_overlap():
+    specs = [((100, 3), torch.bfloat16), ((5, 7, 32), torch.float32), ((1,), torch.bfloat16)]
+    tensors = memory.empty_many(specs, align=64)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == specs
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in tensors)
+    for i, t in enumerate(tensors):
+        t.fill_(i + 1)
+    for i, t in enumerate(tensors):
+        assert torch.all(t == i + 1)  # no later tensor wrote over an earlier one
+    assert memory.empty_many([]) == []
+
+
 def test_kv_cache_is_zeroed_and_on_huge_page_boundaries():
     # The three fields the allocation reads.
     config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)

@@ -228,29 +228,42 @@ def _bf16_panel_order(width: int) -> list[int]:
     return [j for i in range(half) for j in (i, half + i)]
 
 
-def pack_linear_weight(weight: Tensor, allow_bf16: bool = True) -> Tensor | None:
-    """The weight (n, k) of a CPU linear layer packed for `packed_linear`: shape
-    (ceil(n / w), k, w), w = panel_width(), panel p holding output columns wp..wp+w-1 (zero
-    rows pad n). In bfloat16 (half the bytes) when every value is exactly a bf16 number, which
-    keeps the results of float32 compute unchanged, unless `allow_bf16` is False; else float32.
-    None for other dtypes or devices."""
+def packed_layout(
+    weight: Tensor, allow_bf16: bool = True,
+) -> tuple[tuple[int, int, int], torch.dtype] | None:
+    """The (shape, dtype) `pack_linear_weight` gives this weight, or None where it gives none:
+    (ceil(n / w), k, w) for an (n, k) weight, w = panel_width(); bfloat16 (half the bytes) when
+    every value is exactly a bf16 number, which keeps the results of float32 compute unchanged,
+    unless `allow_bf16` is False; else float32. None for other dtypes or devices."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    weight = weight.detach()
     n, k = weight.shape
-    compact = weight.to(torch.bfloat16) if allow_bf16 else None
-    exact = compact is not None and (
-        weight.dtype == torch.bfloat16 or torch.equal(compact.float(), weight)
-    )
-    source = compact if exact else weight.float()
     width = panel_width()
-    num_panels = -(-n // width)
-    padded = source.new_zeros(num_panels * width, k)
-    padded[:n] = source
+    exact = allow_bf16 and (
+        weight.dtype == torch.bfloat16 or torch.equal(weight.to(torch.bfloat16).float(), weight)
+    )
+    return (-(-n // width), k, width), torch.bfloat16 if exact else torch.float32
+
+
+def pack_linear_weight(
+    weight: Tensor, allow_bf16: bool = True, out: Tensor | None = None,
+) -> Tensor | None:
+    """The weight (n, k) of a CPU linear layer packed for `packed_linear`, laid out as
+    `packed_layout` says: panel p holds output columns wp..wp+w-1 (zero rows pad n). Written
+    into `out` if given (a tensor of that layout), else into a new tensor; None where
+    `packed_layout` is None."""
+    if out is None:
+        layout = packed_layout(weight, allow_bf16)
+        if layout is None:
+            return None
+        out = torch.empty(layout[0], dtype=layout[1])
+    num_panels, k, width = out.shape
+    padded = weight.detach().new_zeros(num_panels * width, k, dtype=out.dtype)
+    padded[: weight.shape[0]] = weight.detach()
     panels = padded.view(num_panels, width, k)
-    if exact:
+    if out.dtype == torch.bfloat16:
         panels = panels[:, _bf16_panel_order(width)]
-    return panels.transpose(1, 2).contiguous()
+    return out.copy_(panels.transpose(1, 2))
 
 
 def unpack_linear_weight(packed: Tensor, n: int) -> Tensor:

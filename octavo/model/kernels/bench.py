@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from octavo.model import kernels
+from octavo.model import kernels, memory
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -184,8 +184,15 @@ def run_bench(ns: argparse.Namespace) -> int:
     shapes = _layer_shapes(ns) * ns.layers
     # bf16-exact float32 weights: both panel kinds hold the same numbers.
     weights = [torch.randn(n, k, generator=gen).bfloat16().float() for n, k in shapes]
-    bf16_panels = [kernels.pack_linear_weight(w) for w in weights]
-    fp32_panels = [kernels.pack_linear_weight(w, allow_bf16=False) for w in weights]
+    # Panels in one huge-page allocation per kind, as the loader places them.
+    panels_of = {}
+    for allow_bf16 in (True, False):
+        layouts = [kernels.packed_layout(w, allow_bf16) for w in weights]
+        panels_of[allow_bf16] = [
+            kernels.pack_linear_weight(w, out=slot)
+            for w, slot in zip(weights, memory.empty_many(layouts))
+        ]
+    bf16_panels, fp32_panels = panels_of[True], panels_of[False]
     num_params = sum(n * k for n, k in shapes)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
           f"{num_params / 1e6:.1f}M weights ({num_params * 4 / 2**20:.0f} MiB in float32)")
