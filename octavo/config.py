@@ -98,7 +98,8 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
+    # None: DEFAULT_CPU_BLOCK_SIZE on a CPU, 16 elsewhere (vLLM's defaults).
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "auto"
@@ -124,7 +125,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")

@@ -27,11 +27,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--long-prefill-token-threshold", type=int, default=None,
         help="at most this many prompt tokens of one request per step (0: no cap; default: "
-        "128 on a CPU, no cap elsewhere)",
+        "256 on a CPU, no cap elsewhere)",
     )
     group.add_argument("--kv-cache-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
+    group.add_argument("--block-size", type=int, default=defaults.block_size,
+                       help="tokens per KV cache block (default: 128 on a CPU, 16 elsewhere)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--seed", type=int, default=defaults.seed)

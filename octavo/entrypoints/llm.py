@@ -35,7 +35,7 @@ class LLM:
         long_prefill_token_threshold: int | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_memory_bytes: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
         device: str = "auto",

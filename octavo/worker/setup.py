@@ -36,6 +36,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # runs in one step, as do D's 256 new tokens per prompt (its p99 TTFT 2.4 s instead of 2.7-3.4),
 # with C's and D's p99 ITL unchanged ("The prompt cap at 256").
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
+# Tokens per KV block on a CPU (vLLM's CPU default too). Decode attention reads a request's
+# blocks from wherever they lie in the pool; 128 tokens make each block's keys a contiguous
+# run of 48 KB (the embedded model, float32), where 16 tokens make 6 KB runs that the memory
+# system streams less well: a decode step of 32 requests at 320 tokens ~5% faster
+# (BENCHMARKS.md, "KV block size on a CPU"). GPUs keep 16.
+DEFAULT_CPU_BLOCK_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,9 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
         args.kv_cache_dtype, device
     )[0]
     bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
-    num_blocks = _num_kv_blocks(args, bytes_per_token, device)
-    capacity = num_blocks * args.block_size
+    block_size = args.block_size or (DEFAULT_CPU_BLOCK_SIZE if device.type == "cpu" else 16)
+    num_blocks = _num_kv_blocks(args, block_size, bytes_per_token, device)
+    capacity = num_blocks * block_size
     max_model_len = _max_model_len(args, model_config, capacity)
     config = EngineConfig(
         model=model_path,
@@ -81,7 +88,7 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
         device=str(device),
         seed=args.seed,
         cache=CacheConfig(
-            block_size=args.block_size,
+            block_size=block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             bytes_per_token=bytes_per_token,
@@ -121,10 +128,12 @@ def _long_prefill_token_threshold(args: EngineArgs, device: torch.device) -> int
     return DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD if device.type == "cpu" else 0
 
 
-def _num_kv_blocks(args: EngineArgs, bytes_per_token: int, device: torch.device) -> int:
-    block_bytes = bytes_per_token * args.block_size
+def _num_kv_blocks(
+    args: EngineArgs, block_size: int, bytes_per_token: int, device: torch.device,
+) -> int:
+    block_bytes = bytes_per_token * block_size
     if args.kv_cache_tokens is not None:
-        return -(-args.kv_cache_tokens // args.block_size)
+        return -(-args.kv_cache_tokens // block_size)
     budget = args.kv_cache_memory_bytes or default_kv_cache_bytes(device)
     num_blocks = budget // block_bytes
     if num_blocks < 1:

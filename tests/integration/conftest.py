@@ -29,10 +29,13 @@ def _share_weights_and_tokenizer():
 
 @pytest.fixture(scope="session")
 def make_llm():
-    """Build an LLM on the embedded model in float32; settings default to a roomy pool."""
+    """Build an LLM on the embedded model in float32; settings default to a roomy pool of
+    16-token blocks (short test prompts then span several, for prefix caching and preemption;
+    the CPU default is 128)."""
 
     def make(**overrides) -> LLM:
-        settings = dict(dtype="float32", max_model_len=512, kv_cache_tokens=8192, seed=0)
+        settings = dict(dtype="float32", max_model_len=512, kv_cache_tokens=8192, block_size=16,
+                        seed=0)
         settings.update(overrides)
         return LLM(**settings)
 

@@ -57,6 +57,21 @@ def test_chunked_prefill(make_llm, reference) -> None:
     assert_no_leak(chunked)
 
 
+def test_default_cpu_blocks_of_128_tokens(make_llm, reference) -> None:
+    # The CPU default block size: the same tokens, and a prompt longer than a block is cached
+    # block by block (its one full block) for the next request.
+    default = make_llm(block_size=None)
+    assert default.llm_engine.config.cache.block_size == 128
+    long_prompt = " ".join(OTHERS) * 2  # over 128 tokens
+    first, again = (default.generate([long_prompt, PROMPT], GREEDY, use_tqdm=False)
+                    for _ in range(2))
+    assert _tokens(first)[1] == reference
+    assert _tokens(again) == _tokens(first)
+    assert first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == (len(first[0].prompt_token_ids) - 1) // 128 * 128 > 0
+    assert_no_leak(default)
+
+
 def test_after_a_prefix_cache_hit(llm) -> None:
     prompt = " ".join(OTHERS[:6])  # several full blocks
     assert llm.llm_engine.reset_prefix_cache()
