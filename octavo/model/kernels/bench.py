@@ -10,7 +10,8 @@ second the bf16 panels stream. Ends with one JSON line.
 
 With `--attention`, paged decode attention instead: for each number of sequences (`--seqs`, each
 `--context-len` tokens) and each cache dtype, one pass over `--layers` layers' caches (blocks
-of 16 tokens, shuffled as in a pool after some traffic), the kernel against the plain-torch
+of `--block-size` tokens, shuffled as in a pool after some traffic, in huge pages as the engine
+allocates them), the kernel against the plain-torch
 reference (gather, then einsum and softmax), and the K/V bytes per second the kernel reads.
 
 With `--prefill`, paged prefill attention: for each prompt chunk length (`--prompt-lens`, after
@@ -54,6 +55,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="with --prefill: comma-separated query tokens per chunk")
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="with --prefill: cached tokens before each chunk")
+    parser.add_argument("--block-size", type=int, default=128,
+                        help="with --attention or --prefill: tokens per KV block (the CPU "
+                        "default)")
 
 
 def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
@@ -81,7 +85,7 @@ def _interleaved_median_ms(runs: dict, repeats: int) -> dict[str, float]:
 
 
 def run_attention_bench(ns: argparse.Namespace) -> int:
-    head_dim, block_size = ns.hidden_size // ns.num_heads, 16
+    head_dim, block_size = ns.hidden_size // ns.num_heads, ns.block_size
     blocks_per_seq = -(-ns.context_len // block_size)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
@@ -95,8 +99,8 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
         lens = torch.full((seqs,), ns.context_len, dtype=torch.int32)
         query = torch.randn(seqs, ns.num_heads, head_dim, generator=gen)
         for dtype in (torch.float32, torch.bfloat16):
-            caches = [(torch.randn(shape, generator=gen).to(dtype),
-                       torch.randn(shape, generator=gen).to(dtype)) for _ in range(ns.layers)]
+            caches = [tuple(memory.empty(shape, dtype).copy_(torch.randn(shape, generator=gen))
+                            for _ in range(2)) for _ in range(ns.layers)]
 
             def run(fn) -> None:
                 for key, value in caches:
@@ -118,7 +122,7 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
 
 
 def run_prefill_bench(ns: argparse.Namespace) -> int:
-    head_dim, block_size, prefix = ns.hidden_size // ns.num_heads, 16, ns.prefix_len
+    head_dim, block_size, prefix = ns.hidden_size // ns.num_heads, ns.block_size, ns.prefix_len
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
           f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {prefix} cached tokens "
