@@ -49,7 +49,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
-
 def empty_many(
     specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str = "cpu",
     align: int = 64,

@@ -38,9 +38,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 # Tokens per KV block on a CPU (vLLM's CPU default too). Decode attention reads a request's
 # blocks from wherever they lie in the pool; 128 tokens make each block's keys a contiguous
-# run of 48 KB (the embedded model, float32), where 16 tokens make 6 KB runs that the memory
+# run of 96 KB (the embedded model, float32), where 16 tokens make 12 KB runs that the memory
 # system streams less well: a decode step of 32 requests at 320 tokens ~5% faster
-# (BENCHMARKS.md, "KV block size on a CPU"). GPUs keep 16.
+# (BENCHMARKS.md, "Decode attention in sixteen lanes, huge pages, 128-token blocks"). GPUs
+# keep 16.
 DEFAULT_CPU_BLOCK_SIZE = 128
 
 

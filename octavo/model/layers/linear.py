@@ -43,8 +43,8 @@ def attach_packed_weights(model: nn.Module) -> tuple[int, int, int]:
     limit up to which the copy beats torch's GEMM on this machine
     (kernels.calibrate_packed_max_rows). Call once after loading. Returns (weights packed, how
     many of them in bfloat16, bytes the copies take). The copies share one allocation in huge
-    pages (memory.gather): a decode step streams all of them, and with 4 KiB pages the TLB
-    misses cost ~8% of a batch-1 step's matmul time here."""
+    pages (memory.empty_many): a decode step streams all of them, and with 4 KiB pages the TLB
+    misses cost several percent of the batch-1 matmuls' time (BENCHMARKS.md)."""
     modules = []
     for name, module in model.named_modules():
         if isinstance(module, Linear) or hasattr(module, "packed_weight"):
