@@ -257,9 +257,10 @@ def pack_linear_weight(
         if layout is None:
             return None
         out = torch.empty(layout[0], dtype=layout[1])
+    weight = weight.detach()
     num_panels, k, width = out.shape
-    padded = weight.detach().new_zeros(num_panels * width, k, dtype=out.dtype)
-    padded[: weight.shape[0]] = weight.detach()
+    padded = weight.new_zeros(num_panels * width, k, dtype=out.dtype)
+    padded[: weight.shape[0]] = weight
     panels = padded.view(num_panels, width, k)
     if out.dtype == torch.bfloat16:
         panels = panels[:, _bf16_panel_order(width)]

@@ -11,8 +11,8 @@ second the bf16 panels stream. Ends with one JSON line.
 With `--attention`, paged decode attention instead: for each number of sequences (`--seqs`, each
 `--context-len` tokens) and each cache dtype, one pass over `--layers` layers' caches (blocks
 of `--block-size` tokens, shuffled as in a pool after some traffic, in huge pages as the engine
-allocates them), the kernel against the plain-torch
-reference (gather, then einsum and softmax), and the K/V bytes per second the kernel reads.
+allocates them), the kernel against the plain-torch reference (gather, then einsum and
+softmax), and the K/V bytes per second the kernel reads.
 
 With `--prefill`, paged prefill attention: for each prompt chunk length (`--prompt-lens`, after
 `--prefix-len` cached tokens), one pass over `--layers` layers' float32 caches, the kernel

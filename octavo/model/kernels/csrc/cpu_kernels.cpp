@@ -438,6 +438,16 @@ inline void prefetch_rows(const cache_t* row, int64_t n, int64_t stride, int64_t
   }
 }
 
+// Head h's share of the n_next rows of the next block at `next` (prefetch_rows), for an item of
+// `heads` heads that each ask for theirs as they start: the requests spread over the block's
+// work instead of coming at once.
+template <typename cache_t>
+inline void prefetch_share(const cache_t* next, int64_t n_next, int64_t h, int64_t heads,
+                           int64_t stride, int64_t len) {
+  const int64_t r0 = h * n_next / heads, r1 = (h + 1) * n_next / heads;
+  if (r1 > r0) prefetch_rows(next + r0 * stride, r1 - r0, stride, len);
+}
+
 // fn(start, n, block, next, n_next) for each block of a sequence whose cache blocks are
 // `blocks`: its first token, its number of tokens, its first row in `base` plus `offset`, and the
 // same for the next block (n_next 0 at the last), whose rows fn prefetches as it goes.
@@ -517,10 +527,7 @@ void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
                      [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
-          // This head's share of the next block's rows, so that requests spread over the block.
-          const int64_t r0 = h * n_next / a.heads_per_item;
-          const int64_t r1 = (h + 1) * n_next / a.heads_per_item;
-          if (r1 > r0) prefetch_rows(next + r0 * a.slot_stride, r1 - r0, a.slot_stride, item_width);
+          prefetch_share(next, n_next, h, a.heads_per_item, a.slot_stride, item_width);
           weighted_rows(acc.data() + h * a.head_dim, scores.data() + h * seq_len + start,
                         block + (h / a.group) * a.head_dim, a.slot_stride, n, a.head_dim);
         }
@@ -665,18 +672,11 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
       const int32_t* blocks = a.table + seq * a.max_blocks;
       const float* q = a.q_base + (seq * a.num_heads) * D + offset * a.group;
       scores.resize(a.heads_per_item * seq_len);
-      // This head's share of the next block's rows, so that the prefetches spread over the
-      // block's work.
-      auto prefetch_share = [&](const cache_t* next, int64_t n_next, int64_t h) {
-        const int64_t r0 = h * n_next / a.heads_per_item;
-        const int64_t r1 = (h + 1) * n_next / a.heads_per_item;
-        if (r1 > r0) prefetch_rows(next + r0 * a.slot_stride, r1 - r0, a.slot_stride, item_width);
-      };
       for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
                      [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
-          prefetch_share(next, n_next, h);
+          prefetch_share(next, n_next, h, a.heads_per_item, a.slot_stride, item_width);
           const cache_t* k = block + (h / a.group) * D;
           float* dst = scores.data() + h * seq_len + start;
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -698,7 +698,7 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
                          int64_t n_next) {
         for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
           for (int64_t h = kv * a.group; h < (kv + 1) * a.group; ++h) {
-            prefetch_share(next, n_next, h);
+            prefetch_share(next, n_next, h, a.heads_per_item, a.slot_stride, item_width);
           }
           weighted_heads<D>(acc.data() + kv * a.group * D,
                             scores.data() + kv * a.group * seq_len + start, seq_len,
