@@ -567,26 +567,71 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
+// Thirty-two cache values as two vectors of sixteen floats, and the matching query and output
+// orders. A float32 row is read as it lies. A bfloat16 row is read 64 bytes at a time and split
+// without shuffles: the low halves of its 32-bit words (the even elements) shifted into place,
+// the high halves (the odd ones) masked. The query is split the same way once per head, the
+// value accumulators hold even and odd elements apart, and store() interleaves them back.
+template <typename cache_t>
+struct Pairs;
+template <>
+struct Pairs<float> {
+  static void load(const float* p, __m512& even, __m512& odd) {
+    even = _mm512_loadu_ps(p);
+    odd = _mm512_loadu_ps(p + 16);
+  }
+  static void query(const float* q, __m512& even, __m512& odd) { load(q, even, odd); }
+  static void store(float* out, __m512 even, __m512 odd) {
+    _mm512_storeu_ps(out, even);
+    _mm512_storeu_ps(out + 16, odd);
+  }
+};
+template <>
+struct Pairs<c10::BFloat16> {
+  static void load(const c10::BFloat16* p, __m512& even, __m512& odd) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(-65536)));
+  }
+  static void query(const float* q, __m512& even, __m512& odd) {
+    const __m512 a = _mm512_loadu_ps(q), b = _mm512_loadu_ps(q + 16);
+    even = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                                       22, 24, 26, 28, 30), b);
+    odd = _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                                      25, 27, 29, 31), b);
+  }
+  static void store(float* out, __m512 even, __m512 odd) {
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(
+        even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd));
+    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(
+        even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+        odd));
+  }
+};
+
 // q . k for the n <= 16 key rows k + t * stride, in the first n lanes (the rest 0). The query's
-// D floats stay in registers; each dot product is two FMA chains, and the sixteen are reduced
-// together (hsum16).
+// D floats stay in registers (in Pairs' order); each dot product is two FMA chains, and the
+// sixteen are reduced together (hsum16).
 template <int D, typename cache_t>
 inline __m512 scores16(const float* q, const cache_t* k, int64_t stride, int64_t n) {
   static_assert(D % 32 == 0, "two chains of 16 lanes");
   __m512 qv[D / 16];
-#pragma GCC unroll 8
-  for (int j = 0; j < D / 16; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+#pragma GCC unroll 4
+  for (int j = 0; j < D / 32; ++j) Pairs<cache_t>::query(q + 32 * j, qv[2 * j], qv[2 * j + 1]);
   __m512 p[16];
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
     if (t < n) {
       const cache_t* row = k + t * stride;
-      __m512 a = _mm512_mul_ps(qv[0], load16(row));
-      __m512 b = _mm512_mul_ps(qv[1], load16(row + 16));
-#pragma GCC unroll 8
-      for (int j = 2; j < D / 16; j += 2) {
-        a = _mm512_fmadd_ps(qv[j], load16(row + 16 * j), a);
-        b = _mm512_fmadd_ps(qv[j + 1], load16(row + 16 * j + 16), b);
+      __m512 k0, k1;
+      Pairs<cache_t>::load(row, k0, k1);
+      __m512 a = _mm512_mul_ps(qv[0], k0);
+      __m512 b = _mm512_mul_ps(qv[1], k1);
+#pragma GCC unroll 4
+      for (int j = 1; j < D / 32; ++j) {
+        Pairs<cache_t>::load(row + 32 * j, k0, k1);
+        a = _mm512_fmadd_ps(qv[2 * j], k0, a);
+        b = _mm512_fmadd_ps(qv[2 * j + 1], k1, b);
       }
       p[t] = _mm512_add_ps(a, b);
     } else {
@@ -598,7 +643,7 @@ inline __m512 scores16(const float* q, const cache_t* k, int64_t stride, int64_t
 
 // acc[h][0, D) += sum_t p[h * p_stride + t] * row_t[0, D) for the HB heads h < HB that share
 // the n value rows row + t * stride: each row is loaded once into registers for all HB heads,
-// whose HB x D / 16 accumulators are as many independent FMA chains.
+// whose HB x D / 16 accumulators are as many independent FMA chains. acc is in Pairs' order.
 template <int D, int HB, typename cache_t>
 inline void weighted_rows16(float* acc, const float* p, int64_t p_stride, const cache_t* row,
                             int64_t stride, int64_t n) {
@@ -610,8 +655,8 @@ inline void weighted_rows16(float* acc, const float* p, int64_t p_stride, const 
   }
   for (int64_t t = 0; t < n; ++t, row += stride) {
     __m512 v[D / 16];
-#pragma GCC unroll 8
-    for (int j = 0; j < D / 16; ++j) v[j] = load16(row + 16 * j);
+#pragma GCC unroll 4
+    for (int j = 0; j < D / 32; ++j) Pairs<cache_t>::load(row + 32 * j, v[2 * j], v[2 * j + 1]);
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h) {
       const __m512 pt = _mm512_set1_ps(p[h * p_stride + t]);
@@ -708,9 +753,10 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
       float* out_row = a.out_base + (seq * a.num_heads) * D + offset * a.group;
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        for (int64_t i = 0; i < D; i += 16) {
-          _mm512_storeu_ps(out_row + h * D + i,
-                           _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * D + i), inv));
+        for (int64_t i = 0; i < D; i += 32) {
+          const float* a = acc.data() + h * D + i;
+          Pairs<cache_t>::store(out_row + h * D + i, _mm512_mul_ps(_mm512_loadu_ps(a), inv),
+                                _mm512_mul_ps(_mm512_loadu_ps(a + 16), inv));
         }
       }
     }
