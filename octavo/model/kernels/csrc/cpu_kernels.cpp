@@ -720,11 +720,13 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
       for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
                      [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
+        const int64_t runs = (n + 15) / 16;
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
-          prefetch_share(next, n_next, h, a.heads_per_item, a.slot_stride, item_width);
           const cache_t* k = block + (h / a.group) * D;
           float* dst = scores.data() + h * seq_len + start;
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            prefetch_share(next, n_next, h * runs + t0 / 16, a.heads_per_item * runs,
+                           a.slot_stride, item_width);
             const int64_t nt = std::min<int64_t>(16, n - t0);
             const __m512 s = _mm512_mul_ps(
                 scores16<D>(q + h * D, k + t0 * a.slot_stride, a.slot_stride, nt), vscale);
@@ -741,13 +743,17 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
       for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
                      [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
-        for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
-          for (int64_t h = kv * a.group; h < (kv + 1) * a.group; ++h) {
-            prefetch_share(next, n_next, h, a.heads_per_item, a.slot_stride, item_width);
+        constexpr int64_t kRun = 32;
+        const int64_t runs = (n + kRun - 1) / kRun;
+        for (int64_t t0 = 0; t0 < n; t0 += kRun) {
+          for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
+            prefetch_share(next, n_next, (t0 / kRun) * a.kv_per_item + kv, runs * a.kv_per_item,
+                           a.slot_stride, item_width);
+            weighted_heads<D>(acc.data() + kv * a.group * D,
+                              scores.data() + kv * a.group * seq_len + start + t0, seq_len,
+                              block + t0 * a.slot_stride + kv * D, a.slot_stride,
+                              std::min(kRun, n - t0), a.group);
           }
-          weighted_heads<D>(acc.data() + kv * a.group * D,
-                            scores.data() + kv * a.group * seq_len + start, seq_len,
-                            block + kv * D, a.slot_stride, n, a.group);
         }
       });
       float* out_row = a.out_base + (seq * a.num_heads) * D + offset * a.group;
