@@ -58,6 +58,14 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// 32 bfloat16 values at p, 64 bytes, widened without a shuffle: the low halves of the 32-bit
+// words (elements 0, 2, ..., 30) shifted into place, the high halves (1, 3, ..., 31) masked.
+inline void load_split32(const c10::BFloat16* p, __m512& low, __m512& high) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  high = _mm512_castsi512_ps(
+      _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 // The two halves of v added: the same sum in eight lanes.
 inline __m256 fold16(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -569,10 +577,10 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
 
 // Thirty-two cache values as two vectors of sixteen floats, and the matching query and output
 // orders. A float32 row is read as it lies. A bfloat16 row is read 64 bytes at a time and split
-// without shuffles: the low halves of its 32-bit words (the even elements) shifted into place,
-// the high halves (the odd ones) masked. The query is split the same way as it is loaded into
-// registers, the value accumulators hold even and odd elements apart, and store() interleaves
-// them back on the output.
+// into even and odd elements without shuffles (load_split32, as the packed matmul reads its
+// panels). The query is split the same way as it is loaded into registers, the value
+// accumulators hold even and odd elements apart, and store() interleaves them back on the
+// output.
 template <typename cache_t>
 struct Pairs;
 template <>
@@ -590,9 +598,7 @@ struct Pairs<float> {
 template <>
 struct Pairs<c10::BFloat16> {
   static void load(const c10::BFloat16* p, __m512& even, __m512& odd) {
-    const __m512i raw = _mm512_loadu_si512(p);
-    even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(-65536)));
+    load_split32(p, even, odd);
   }
   static void query(const float* q, __m512& even, __m512& odd) {
     const __m512 a = _mm512_loadu_ps(q), b = _mm512_loadu_ps(q + 16);
@@ -874,9 +880,7 @@ inline void load_panel(const float* p, vec_t& lo, vec_t& hi) {
 }
 inline void load_panel(const c10::BFloat16* p, vec_t& lo, vec_t& hi) {
 #ifdef OCTAVO_AVX512
-  const __m512i v = _mm512_loadu_si512(p);
-  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  load_split32(p, lo, hi);
 #else
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
