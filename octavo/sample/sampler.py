@@ -8,6 +8,7 @@ arrives in SamplingMetadata, including the seeded generators.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from octavo.sample.ops.topk_topp import (
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
+    draw_uniforms,
     random_sample,
 )
 
@@ -53,7 +55,9 @@ class Sampler(nn.Module):
     6) Temperature: random rows are divided by theirs.
     7) min-p, then 8) top-k, then 9) top-p: dropped tokens get -inf.
     10) Random rows: softmax, then inverse-CDF sampling (one uniform per row against the
-        cumulative mass), seeded rows drawing their uniform from their own generator.
+        cumulative mass), seeded rows drawing their uniform from their own generator. With a
+        `draw` function (the CPU kernel the model runner passes in), the logits and uniforms
+        go to it instead, which does the softmax and the search in one pass.
     11) Greedy and random rows are combined with torch.where on temperature == 0.
     12) Logprobs: the top max_num_logprobs of the raw distribution, with the sampled token's
         logprob and 1-based rank in front.
@@ -62,6 +66,13 @@ class Sampler(nn.Module):
     rows skip them. `logits` is modified in place. Structured-output rows arrive already masked
     by the runner (ops/bitmask.py), so "raw" here means raw within the grammar.
     """
+
+    def __init__(self, draw: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+        """draw(logits, uniform): step 10 as one function of the filtered (num_reqs, vocab)
+        float32 logits (which it may overwrite) and (num_reqs, 1) uniforms in [0, 1), returning
+        (num_reqs,) int64 with random_sample's meaning; None: softmax and random_sample."""
+        super().__init__()
+        self.draw = draw
 
     def forward(self, logits: Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: (num_reqs, vocab) float32, one row per request being sampled, in the row
@@ -103,8 +114,7 @@ class Sampler(nn.Module):
                 metadata.repetition_penalties,
             )
 
-    @staticmethod
-    def sample(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
+    def sample(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         """Steps 5-11: (num_reqs,) int64 token ids. Overwrites `logits` on the random path."""
         greedy = None
         if not metadata.all_random:
@@ -117,9 +127,12 @@ class Sampler(nn.Module):
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        # 10) (num_reqs, vocab)
-        probs = logits.softmax(dim=1)
-        sampled = random_sample(probs, metadata.generators)
+        # 10)
+        if self.draw is not None:
+            uniform = draw_uniforms(logits.shape[0], metadata.generators, logits.device)
+            sampled = self.draw(logits, uniform)
+        else:
+            sampled = random_sample(logits.softmax(dim=1), metadata.generators)
         if greedy is None:
             return sampled
         # 11)

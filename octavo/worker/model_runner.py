@@ -67,7 +67,9 @@ class ModelRunner:
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, max_model_len, max_blocks_per_req
         )
-        self.sampler = Sampler()
+        # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass.
+        use_kernel = device.type == "cpu" and kernels.vectorized()
+        self.sampler = Sampler(draw=kernels.sample_categorical if use_kernel else None)
         # Seeded requests keep their generator across preemptions, so a preempted request
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}

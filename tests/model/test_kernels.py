@@ -320,6 +320,46 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(out, kernels.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
 
 
+def test_sample_categorical_matches_the_torch_draw():
+    """Logits where half the tokens were dropped by a filter (-inf), rows of 1 to 3,000 tokens
+    (eight-token runs and tails), uniforms that include 0 and the largest float below 1: the
+    kernel picks the token torch's softmax + cumsum + search picks (up to rounding at the very
+    end of the mass), and never a dropped one."""
+    gen = torch.Generator().manual_seed(5)
+    mismatches = 0
+    for trial in range(60):
+        rows, vocab = 8, int(torch.randint(1, 3000, (1,), generator=gen))
+        logits = torch.randn(rows, vocab, generator=gen) * float(1 + 9 * torch.rand(1, generator=gen))
+        dropped = torch.rand(rows, vocab, generator=gen) < 0.5
+        keep = torch.randint(0, vocab, (rows,), generator=gen)
+        dropped[torch.arange(rows), keep] = False
+        logits[dropped] = float("-inf")
+        uniform = torch.rand(rows, 1, generator=gen)
+        uniform[0], uniform[1] = 0.0, 1.0 - 2**-24
+        expected = kernels.sample_categorical_reference(logits.clone(), uniform)
+        got = kernels.sample_categorical(logits.clone(), uniform)
+        assert got.dtype == torch.int64 and got.shape == (rows,)
+        assert not dropped[torch.arange(rows), got].any(), trial
+        # u just below 1 lands within rounding of the total: the pick must reach the end of
+        # the mass (any token whose cumulative mass is within rounding of 1 is right, and the
+        # two sum in different orders).
+        assert logits[1].softmax(0).cumsum(0)[got[1]].item() > 1 - 1e-5
+        # Elsewhere a rounding difference could move a draw on a boundary to the next token.
+        mismatches += int((got[[0, *range(2, rows)]] != expected[[0, *range(2, rows)]]).sum())
+    assert mismatches <= 2
+
+
+def test_sample_categorical_takes_a_non_contiguous_row_set_and_overwrites_logits():
+    logits = torch.full((4, 20), float("-inf"))
+    logits[:, 7] = 1.0
+    logits[:, 12] = 1.0
+    got = kernels.sample_categorical(logits[::2], torch.tensor([[0.25], [0.75]]))
+    assert got.tolist() == [7, 12]
+    contiguous = logits.clone()
+    kernels.sample_categorical(contiguous, torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    assert contiguous[0, 7].item() == 1.0 and contiguous[0, 0].item() == 0.0  # exp(l - max)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_write_matches_index_copy(cache_dtype):
     from octavo.model.attention.layer import write_kv_cache

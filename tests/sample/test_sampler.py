@@ -8,10 +8,19 @@ import math
 import pytest
 import torch
 
+from octavo.model import kernels
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The random draw in torch, and in the CPU kernel the model runner passes on a CPU.
+DRAWS = ["torch"] + (["kernel"] if kernels.vectorized() else [])
+
+
+def make_sampler(draw: str, device: str = "cpu") -> Sampler:
+    if draw == "kernel" and device != "cpu":
+        pytest.skip("the sampling kernel runs on a CPU")
+    return Sampler(draw=kernels.sample_categorical if draw == "kernel" else None)
 
 
 def make_metadata(
@@ -87,23 +96,25 @@ def test_greedy_is_argmax_on_the_fast_path_and_in_a_mixed_batch(device: str) -> 
     assert torch.equal(mixed.sampled_token_ids[greedy_rows], expected[greedy_rows])
 
 
-def test_top_k_1_and_tiny_top_p_equal_greedy() -> None:
+@pytest.mark.parametrize("draw", DRAWS)
+def test_top_k_1_and_tiny_top_p_equal_greedy(draw: str) -> None:
     logits = random_logits(8, 500, seed=1)
     expected = logits.argmax(dim=1)
-    sampler = Sampler()
+    sampler = make_sampler(draw)
     top_k = sampler(logits.clone(), make_metadata([1.5] * 8, top_k=[1] * 8))
     assert torch.equal(top_k.sampled_token_ids, expected)
     top_p = sampler(logits.clone(), make_metadata([1.5] * 8, top_p=[1e-6] * 8))
     assert torch.equal(top_p.sampled_token_ids, expected)
 
 
+@pytest.mark.parametrize("draw", DRAWS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_row_samples_the_same_alone_and_inside_a_batch(device: str) -> None:
+def test_seeded_row_samples_the_same_alone_and_inside_a_batch(device: str, draw: str) -> None:
     """Row 0 of a batch of 1 and row 5 of a batch of 8 share a seed: same tokens for 6 steps,
     although the batch has greedy, unseeded and otherwise-seeded rows that force the full-sort
     top-p path and min-p, and the default RNG is reseeded differently for the two runs."""
     vocab_size, num_steps = 300, 6
-    sampler = Sampler()
+    sampler = make_sampler(draw, device)
 
     def run(batch: bool) -> list[int]:
         seeded = torch.Generator(device=device).manual_seed(42)
@@ -138,12 +149,13 @@ def test_seeded_row_samples_the_same_alone_and_inside_a_batch(device: str) -> No
     assert alone != argmaxes
 
 
-def test_all_rows_seeded_skips_the_default_rng() -> None:
+@pytest.mark.parametrize("draw", DRAWS)
+def test_all_rows_seeded_skips_the_default_rng(draw: str) -> None:
     logits = random_logits(3, 50, seed=3)
     generators = {row: torch.Generator().manual_seed(row) for row in range(3)}
     with torch.random.fork_rng(devices=[]):
         before = torch.random.get_rng_state()
-        Sampler()(logits.clone(), make_metadata([1.0] * 3, generators=generators))
+        make_sampler(draw)(logits.clone(), make_metadata([1.0] * 3, generators=generators))
         assert torch.equal(torch.random.get_rng_state(), before)
 
 
@@ -152,8 +164,9 @@ def test_all_rows_seeded_skips_the_default_rng() -> None:
     # Chi-square critical values with P(false failure) = 1e-5: df=3 -> 25.90, df=2 -> 23.03.
     [(1.0, None, 25.90), (2.0, 3, 23.03)],
 )
+@pytest.mark.parametrize("draw", DRAWS)
 def test_sampled_frequencies_match_the_distribution(
-    temperature: float, top_k: int | None, threshold: float
+    temperature: float, top_k: int | None, threshold: float, draw: str
 ) -> None:
     """20,000 rows of p = [0.5, 0.25, 0.15, 0.1]. Expected frequencies are p itself, or
     p ** (1 / T) renormalised over the top 3 with top_k 3 (the 4th must never appear). A correct
@@ -167,7 +180,7 @@ def test_sampled_frequencies_match_the_distribution(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
-        sampled = Sampler()(logits, metadata).sampled_token_ids
+        sampled = make_sampler(draw)(logits, metadata).sampled_token_ids
     observed = torch.bincount(sampled, minlength=4).double()
     expected = probs.double() ** (1.0 / temperature)
     if top_k is not None:
@@ -179,7 +192,8 @@ def test_sampled_frequencies_match_the_distribution(
     assert chi_square < threshold
 
 
-def test_min_tokens_forbids_stop_ids_for_greedy_and_random_rows() -> None:
+@pytest.mark.parametrize("draw", DRAWS)
+def test_min_tokens_forbids_stop_ids_for_greedy_and_random_rows(draw: str) -> None:
     eos, stop_id, num_reqs = 0, 3, 400
     logits = torch.zeros(num_reqs, 8)
     logits[:, eos] = 10.0
@@ -188,7 +202,7 @@ def test_min_tokens_forbids_stop_ids_for_greedy_and_random_rows() -> None:
     temperature = [0.0, 0.0] + [1.0] * (num_reqs - 2)
     # Every row but row 1 is below min_tokens.
     blocked = {row: {eos, stop_id} for row in range(num_reqs) if row != 1}
-    sampled = Sampler()(logits, make_metadata(temperature, min_tokens_stop_ids=blocked))
+    sampled = make_sampler(draw)(logits, make_metadata(temperature, min_tokens_stop_ids=blocked))
     tokens = sampled.sampled_token_ids.tolist()
     assert tokens[0] == 5
     assert tokens[1] == eos

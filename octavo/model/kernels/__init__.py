@@ -11,11 +11,12 @@ Operators for work where general libraries waste the CPU:
   bytes; widened in registers, accumulated in float32). Far ahead of BLAS at decode sizes,
   where the weights' bytes are the cost; at prompt sizes level with BLAS or behind it, by CPU
   and shape, so the loader times both per weight shape (`calibrate_packed_max_rows`).
-And four that fold a chain of small torch ops into one pass: RMSNorm with its residual add
-(`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`, and
+And five that fold a chain of small torch ops into one pass: RMSNorm with its residual add
+(`rms_norm_`) and rotary embedding (`rotary_`) in place, the gated MLP's `silu_and_mul`,
 `write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
-index_copy_ for each). Their callers keep the torch code as the fallback, and the tests compare
-both. Last, `decode_layer`: a whole Llama-style decoder layer over rows that are all decodes,
+index_copy_ for each), and the sampler's draw, `sample_categorical` (softmax, cumulative sum and
+search over the vocabulary in one pass and a partial walk). Their callers keep the torch code as
+the fallback, and the tests compare both. Last, `decode_layer`: a whole Llama-style decoder layer over rows that are all decodes,
 as one call of the kernels above (the per-layer torch ops and Python around them cost as much
 as the work at small batches).
 
@@ -404,6 +405,34 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 def silu_and_mul_reference(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+
+def vectorized() -> bool:
+    """Whether the kernels are built with their AVX2 (or AVX-512) paths: without them they run
+    plain loops, which for sample_categorical are slower than torch's vectorised ops."""
+    return available() and bool(torch.ops.octavo.vectorized())
+
+
+def sample_categorical(logits: Tensor, uniform: Tensor) -> Tensor:
+    """One token per row of (rows, vocab) float32 logits (contiguous), drawn by inverse CDF
+    with uniform (rows,) or (rows, 1) float32 in [0, 1): the first token whose cumulative
+    softmax probability exceeds u, as sample_categorical_reference. A token at -inf is never
+    picked. Overwrites logits (with unnormalised probabilities). Returns (rows,) int64."""
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    return torch.ops.octavo.sample_categorical(logits, uniform.reshape(-1))
+
+
+def sample_categorical_reference(logits: Tensor, uniform: Tensor) -> Tensor:
+    """The same draw in plain torch: softmax, cumulative sum, search for u * total."""
+    cdf = logits.softmax(dim=1).cumsum(dim=1)
+    total = cdf[:, -1:]
+    threshold = torch.minimum(uniform.reshape(-1, 1) * total,
+                              torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1)
 
 
 def use_kv_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:

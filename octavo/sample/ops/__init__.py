@@ -19,6 +19,7 @@ from octavo.sample.ops.topk_topp import (
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
+    draw_uniforms,
     random_sample,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "apply_temperature",
     "apply_top_k_top_p",
     "compute_logprobs",
+    "draw_uniforms",
     "gather_logprobs",
     "get_token_counts",
     "pad_token_ids",

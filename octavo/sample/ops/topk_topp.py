@@ -106,27 +106,33 @@ def _apply_top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tenso
 def random_sample(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """One token per row drawn from `probs` (num_reqs, vocab); returns (num_reqs,) int64.
 
-    Inverse-CDF sampling: one uniform u per row, scaled by the row's total mass, and the first
-    token whose cumulative probability exceeds it. One random number per row instead of one per
-    vocabulary entry: on a CPU, filling (num_reqs, vocab) with exponential noise (the
-    exponential race vLLM uses on GPUs) costs several times the rest of the sampler, while a
-    cumsum and a binary search are cheap. Like the race it needs no host-device sync (unlike
-    torch.multinomial) and suits per-row generators: the unseeded rows draw their uniforms in
-    one call, each seeded row draws one value from its own generator, so a seed gives the same
-    tokens whatever the batch size or row position (the cumsum runs along each row alone).
+    Inverse-CDF sampling: one uniform u per row (draw_uniforms), scaled by the row's total
+    mass, and the first token whose cumulative probability exceeds it. One random number per
+    row instead of one per vocabulary entry: on a CPU, filling (num_reqs, vocab) with
+    exponential noise (the exponential race vLLM uses on GPUs) costs several times the rest of
+    the sampler, while a cumsum and a binary search are cheap. Like the race it needs no
+    host-device sync (unlike torch.multinomial), and the cumsum runs along each row alone.
 
     Zero-probability tokens are never picked: their cumulative value equals their
     predecessor's, so the first entry above u always has mass. `probs` is not modified.
     """
-    num_reqs = probs.shape[0]
     # (num_reqs, vocab) running mass; its last column is the row total (1 up to rounding).
     cdf = probs.cumsum(dim=1)
-    uniform = torch.empty(num_reqs, 1, device=probs.device, dtype=cdf.dtype)
+    return invert_cdf(cdf, draw_uniforms(probs.shape[0], generators, probs.device))
+
+
+def draw_uniforms(
+    num_reqs: int, generators: dict[int, torch.Generator], device: torch.device
+) -> Tensor:
+    """(num_reqs, 1) float32 uniforms in [0, 1): the unseeded rows' in one call, each seeded
+    row's one value from its own generator, so a seed gives the same tokens whatever the batch
+    size or row position."""
+    uniform = torch.empty(num_reqs, 1, device=device, dtype=torch.float32)
     if len(generators) < num_reqs:
         uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
-    return invert_cdf(cdf, uniform)
+    return uniform
 
 
 def invert_cdf(cdf: Tensor, uniform: Tensor) -> Tensor:

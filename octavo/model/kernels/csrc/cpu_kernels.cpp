@@ -1562,6 +1562,88 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   return linear(silu_and_mul(gate_up), down_weight, down_bias, hidden_size);
 }
 
+// ---- sampling ---------------------------------------------------------------------------------
+//
+// The sampler's random draw (its inverse-CDF step) straight from the filtered logits: per row,
+// the first token whose cumulative softmax probability exceeds u * (the row's total), without the
+// softmax and cumulative sum that torch writes out over the whole vocabulary (two passes and two
+// rows of the vocabulary's size each). The row is overwritten with exp(logit - max), 0 where that
+// is below exp(-87.3) (so a token at -inf, dropped by a filter, keeps probability exactly 0),
+// which also gives the total; then the walk takes eight tokens at a time up to the eight whose sum
+// passes the threshold, and one token at a time inside them. The threshold is kept below the
+// total, and should rounding still carry the walk past the end (the sums of eight are added in
+// another order than the total), the last token with mass is taken: never one without.
+
+// Returns the total. Row x of n logits becomes exp(x - max), 0 below exp(-87.3).
+inline float exp_row(float* x, int64_t n) {
+  const float m = max_of(x, n);
+  constexpr float kFloor = -87.3f;  // exp_nonpositive's clamp: below it, exactly 0
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef OCTAVO_AVX2
+  const __m256 mv = _mm256_set1_ps(m), floor = _mm256_set1_ps(kFloor);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), mv);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(d), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    const float d = x[i] - m;
+    x[i] = d >= kFloor ? std::exp(d) : 0.f;
+    total += x[i];
+  }
+  return total;
+}
+
+// The first index whose running sum of e[0..] exceeds threshold (< the total of e).
+inline int64_t walk_row(const float* e, int64_t n, float threshold) {
+  float running = 0.f;
+  int64_t i = 0;
+#ifdef OCTAVO_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const float block = hsum(_mm256_loadu_ps(e + i));
+    if (running + block > threshold) break;
+    running += block;
+  }
+#endif
+  for (; i < n; ++i) {
+    running += e[i];
+    if (running > threshold && e[i] > 0.f) return i;
+  }
+  for (i = n - 1; i > 0 && e[i] == 0.f; --i) {
+  }
+  return i;
+}
+
+// logits: (rows, vocab) float32 contiguous, overwritten; uniform: (rows,) float32 in [0, 1).
+// Returns (rows,) int64.
+at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "sample_categorical: logits must be (rows, vocab) contiguous float32");
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.numel() == logits.size(0),
+              "sample_categorical: one float32 uniform per row");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  float* x = logits.data_ptr<float>();
+  const at::Tensor u = uniform.contiguous();
+  const float* up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* e = x + r * vocab;
+      const float total = exp_row(e, vocab);
+      // u * total can round up to total: stay strictly below it, as invert_cdf does.
+      const float threshold = std::min(up[r] * total, std::nextafter(total, 0.f));
+      op[r] = walk_row(e, vocab, threshold);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(octavo, m) {
@@ -1580,6 +1662,15 @@ TORCH_LIBRARY(octavo, m) {
       " -> ()");
   m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("sample_categorical(Tensor(a!) logits, Tensor uniform) -> Tensor");
+  // Whether this build has the AVX2 paths (else every kernel runs its plain loops).
+  m.def("vectorized() -> bool", []() -> bool {
+#ifdef OCTAVO_AVX2
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping)"
       " -> ()");
@@ -1599,6 +1690,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("sample_categorical", &sample_categorical);
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("decode_layer", &decode_layer);
 }
