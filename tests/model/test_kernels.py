@@ -329,7 +329,8 @@ def test_sample_categorical_matches_the_torch_draw():
     mismatches = 0
     for trial in range(60):
         rows, vocab = 8, int(torch.randint(1, 3000, (1,), generator=gen))
-        logits = torch.randn(rows, vocab, generator=gen) * float(1 + 9 * torch.rand(1, generator=gen))
+        spread = float(1 + 9 * torch.rand(1, generator=gen))
+        logits = torch.randn(rows, vocab, generator=gen) * spread
         dropped = torch.rand(rows, vocab, generator=gen) < 0.5
         keep = torch.randint(0, vocab, (rows,), generator=gen)
         dropped[torch.arange(rows), keep] = False

@@ -16,9 +16,9 @@ And five that fold a chain of small torch ops into one pass: RMSNorm with its re
 `write_kv_cache` (one call for a layer's keys and values instead of a view, a conversion and an
 index_copy_ for each), and the sampler's draw, `sample_categorical` (softmax, cumulative sum and
 search over the vocabulary in one pass and a partial walk). Their callers keep the torch code as
-the fallback, and the tests compare both. Last, `decode_layer`: a whole Llama-style decoder layer over rows that are all decodes,
-as one call of the kernels above (the per-layer torch ops and Python around them cost as much
-as the work at small batches).
+the fallback, and the tests compare both. Last, `decode_layer`: a whole Llama-style decoder
+layer over rows that are all decodes, as one call of the kernels above (the per-layer torch ops
+and Python around them cost as much as the work at small batches).
 
 The C++ source is compiled on first use with torch's extension builder into a cache folder
 (`OCTAVO_KERNEL_CACHE`, default ~/.cache/octavo/kernels/<torch>-<source hash>), which takes

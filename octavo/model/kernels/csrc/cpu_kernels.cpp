@@ -1614,8 +1614,8 @@ inline int64_t walk_row(const float* e, int64_t n, float threshold) {
     running += e[i];
     if (running > threshold && e[i] > 0.f) return i;
   }
-  for (i = n - 1; i > 0 && e[i] == 0.f; --i) {
-  }
+  i = n - 1;
+  while (i > 0 && e[i] == 0.f) --i;
   return i;
 }
 
