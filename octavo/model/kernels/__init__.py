@@ -419,20 +419,12 @@ def vectorized() -> bool:
 def sample_categorical(logits: Tensor, uniform: Tensor) -> Tensor:
     """One token per row of (rows, vocab) float32 logits (contiguous), drawn by inverse CDF
     with uniform (rows,) or (rows, 1) float32 in [0, 1): the first token whose cumulative
-    softmax probability exceeds u, as sample_categorical_reference. A token at -inf is never
-    picked. Overwrites logits (with unnormalised probabilities). Returns (rows,) int64."""
+    softmax probability exceeds u, as the sampler's torch path (softmax, then
+    octavo.sample.ops.topk_topp.random_sample's search). A token at -inf is never picked.
+    Overwrites logits (with unnormalised probabilities). Returns (rows,) int64."""
     if not logits.is_contiguous():
         logits = logits.contiguous()
     return torch.ops.octavo.sample_categorical(logits, uniform.reshape(-1))
-
-
-def sample_categorical_reference(logits: Tensor, uniform: Tensor) -> Tensor:
-    """The same draw in plain torch: softmax, cumulative sum, search for u * total."""
-    cdf = logits.softmax(dim=1).cumsum(dim=1)
-    total = cdf[:, -1:]
-    threshold = torch.minimum(uniform.reshape(-1, 1) * total,
-                              torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(1)
 
 
 def use_kv_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:

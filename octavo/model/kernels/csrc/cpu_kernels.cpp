@@ -137,12 +137,15 @@ struct Lanes<__m512> {
   }
 };
 #endif
+// Where exp_nonpositive clamps its argument: exp(-87.3) ~ 1.2e-38, near the smallest normal
+// float, so anything below comes out as that, not as 0.
+constexpr float kExpFloor = -87.3f;
 // exp for x <= 0 (softmax after subtracting the max): Cephes' range reduction to
 // 2^n * exp(r), |r| <= ln2 / 2, and its degree-5 polynomial; relative error ~2e-7.
 template <typename V>
 inline V exp_nonpositive(V x) {
   using L = Lanes<V>;
-  x = L::max(x, L::set1(-87.3f));
+  x = L::max(x, L::set1(kExpFloor));
   const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
   V r = L::fnmadd(n, L::set1(0.693359375f), x);
   r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
@@ -216,25 +219,29 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
-// s[t] <- exp(s[t] - max_score) for t < n; returns their sum.
+// s[t] <- exp(s[t] - max_score) for t < n; returns their sum. Below kExpFloor the vector lanes
+// give 0, as std::exp does (within a denormal) for the tail: a score at -inf gets exactly 0.
 inline float exp_shifted_sum(float* s, int64_t n, float max_score) {
   int64_t t = 0;
   float sum = 0.f;
 #ifdef OCTAVO_AVX512
-  const __m512 m16 = _mm512_set1_ps(max_score);
+  const __m512 m16 = _mm512_set1_ps(max_score), floor16 = _mm512_set1_ps(kExpFloor);
   __m512 acc16 = _mm512_setzero_ps();
   for (; t + 16 <= n; t += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m16));
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(s + t), m16);
+    const __m512 e =
+        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor16, _CMP_GE_OQ), exp_nonpositive(d));
     _mm512_storeu_ps(s + t, e);
     acc16 = _mm512_add_ps(acc16, e);
   }
   sum = _mm512_reduce_add_ps(acc16);
 #endif
 #ifdef OCTAVO_AVX2
-  const __m256 m = _mm256_set1_ps(max_score);
+  const __m256 m = _mm256_set1_ps(max_score), floor = _mm256_set1_ps(kExpFloor);
   __m256 acc = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(s + t), m);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(d), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
     _mm256_storeu_ps(s + t, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -1567,37 +1574,12 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
 // The sampler's random draw (its inverse-CDF step) straight from the filtered logits: per row,
 // the first token whose cumulative softmax probability exceeds u * (the row's total), without the
 // softmax and cumulative sum that torch writes out over the whole vocabulary (two passes and two
-// rows of the vocabulary's size each). The row is overwritten with exp(logit - max), 0 where that
-// is below exp(-87.3) (so a token at -inf, dropped by a filter, keeps probability exactly 0),
-// which also gives the total; then the walk takes eight tokens at a time up to the eight whose sum
-// passes the threshold, and one token at a time inside them. The threshold is kept below the
+// rows of the vocabulary's size each). The row is overwritten with exp(logit - max) and summed
+// (exp_shifted_sum: a token at -inf, dropped by a filter, keeps probability exactly 0); then the
+// walk takes eight tokens at a time up to the eight whose sum passes the threshold, and one token
+// at a time inside them. The threshold is kept below the
 // total, and should rounding still carry the walk past the end (the sums of eight are added in
 // another order than the total), the last token with mass is taken: never one without.
-
-// Returns the total. Row x of n logits becomes exp(x - max), 0 below exp(-87.3).
-inline float exp_row(float* x, int64_t n) {
-  const float m = max_of(x, n);
-  constexpr float kFloor = -87.3f;  // exp_nonpositive's clamp: below it, exactly 0
-  int64_t i = 0;
-  float total = 0.f;
-#ifdef OCTAVO_AVX2
-  const __m256 mv = _mm256_set1_ps(m), floor = _mm256_set1_ps(kFloor);
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), mv);
-    const __m256 e = _mm256_and_ps(exp_nonpositive(d), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
-    _mm256_storeu_ps(x + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  total = hsum(acc);
-#endif
-  for (; i < n; ++i) {
-    const float d = x[i] - m;
-    x[i] = d >= kFloor ? std::exp(d) : 0.f;
-    total += x[i];
-  }
-  return total;
-}
 
 // The first index whose running sum of e[0..] exceeds threshold (< the total of e).
 inline int64_t walk_row(const float* e, int64_t n, float threshold) {
@@ -1635,7 +1617,7 @@ at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* e = x + r * vocab;
-      const float total = exp_row(e, vocab);
+      const float total = exp_shifted_sum(e, vocab, max_of(e, vocab));
       // u * total can round up to total: stay strictly below it, as invert_cdf does.
       const float threshold = std::min(up[r] * total, std::nextafter(total, 0.f));
       op[r] = walk_row(e, vocab, threshold);
