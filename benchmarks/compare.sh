@@ -354,9 +354,9 @@ serve --backend openai --endpoint /v1/completions --dataset-name random --ignore
 $SEED\`. Settings: octavo \`--dtype auto --kv-cache-dtype $OCTAVO_KV_DTYPE\`; vLLM \`--dtype
 $VLLM_DTYPE\` (its KV cache auto, the same dtype; its CPU backend offers no 16-bit cache beside
 float32) in its CPU guide's environment (OpenMP bound to cores 0-$((NCPU - 1)),
-${TCMALLOC:+tcmalloc and }Intel OpenMP preloaded); llama.cpp: a $LLAMA_TYPE GGUF, f16 KV cache, 32 slots. KV capacity: $KV_TOKENS tokens
-for every engine. Workloads: A 256+128 tokens x 128 at concurrency 32, B 256+128 x 8 at 1,
-C 512+128 x 64 at 8, D 256 shared + 256 + 128 x 64 at 8.
+${TCMALLOC:+tcmalloc and }Intel OpenMP preloaded); llama.cpp: a $LLAMA_TYPE GGUF, f16 KV cache,
+32 slots. KV capacity: $KV_TOKENS tokens for every engine. Workloads: A 256+128 tokens x 128 at
+concurrency 32, B 256+128 x 8 at 1, C 512+128 x 64 at 8, D 256 shared + 256 + 128 x 64 at 8.
 EOF
     [ -z "$NUM_PROMPTS" ] || echo "**Smoke run: $NUM_PROMPTS prompts per workload.**"
 }
