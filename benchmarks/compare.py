@@ -2,13 +2,16 @@
 
 Owns the arithmetic and parsing the shell script should not do: the KV cache capacity each
 engine is given for one number of tokens, what each server says it resolved (dtype, KV tokens)
-from its log, the resident memory of a server's process tree, and the markdown table of medians
-and ratios written to stdout and into BENCHMARKS.md between markers. Standard library only (it
-runs with any python3); it imports nothing of octavo and starts nothing.
+from its log, the resident memory of a server's process tree, what the machine did during a run
+(CPU time the hypervisor took away, the server's page faults that read a disk), and the
+markdown table of medians and ratios written to stdout and into BENCHMARKS.md between markers.
+Standard library only (it runs with any python3); it imports nothing of octavo and starts
+nothing.
 
     python3 benchmarks/compare.py kv MODEL_DIR --tokens N --dtype auto|bfloat16|float32|float16
     python3 benchmarks/compare.py server-info ENGINE LOG
     python3 benchmarks/compare.py rss PID
+    python3 benchmarks/compare.py watch PID OUT.jsonl      # until PID exits or is told to stop
     python3 benchmarks/compare.py table RESULTS_DIR [--write BENCHMARKS.md]
 """
 
@@ -19,6 +22,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +98,8 @@ def cmd_server_info(ns: argparse.Namespace) -> int:
     return 0
 
 
-def process_tree_memory(pid: int) -> dict[str, int]:
-    """RSS and PSS (KiB) summed over `pid` and its descendants. vLLM serves from two processes
-    (API server and engine core) that share libraries: RSS counts shared pages in each, PSS
-    splits them, so PSS is the fair sum and RSS the one a process monitor shows."""
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (vLLM serves from several processes)."""
     pids, frontier = [pid], [pid]
     while frontier:
         children = Path(f"/proc/{frontier.pop()}/task")
@@ -105,8 +107,15 @@ def process_tree_memory(pid: int) -> dict[str, int]:
             for child in task.read_text().split():
                 pids.append(int(child))
                 frontier.append(int(child))
+    return pids
+
+
+def process_tree_memory(pid: int) -> dict[str, int]:
+    """RSS and PSS (KiB) summed over `pid` and its descendants. vLLM serves from two processes
+    (API server and engine core) that share libraries: RSS counts shared pages in each, PSS
+    splits them, so PSS is the fair sum and RSS the one a process monitor shows."""
     totals = {"rss_kib": 0, "pss_kib": 0, "processes": 0}
-    for member in pids:
+    for member in process_tree(pid):
         try:
             rollup = Path(f"/proc/{member}/smaps_rollup").read_text()
         except OSError:
@@ -124,22 +133,80 @@ def cmd_rss(ns: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------- the machine during a run
+
+
+def machine_sample(pid: int, faults: dict[int, int]) -> dict[str, float]:
+    """One sample of what can slow a run without any engine being at fault: the machine's CPU
+    time in jiffies (all CPUs) and the part of it the hypervisor gave to another guest
+    (steal), and the major page faults (a read from disk, for example of library code the
+    kernel had dropped from memory) of the server's process tree. `faults` keeps each process's
+    last count, so that one that exits still counts."""
+    jiffies = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    for member in process_tree(pid):
+        try:
+            stat = Path(f"/proc/{member}/stat").read_text()
+        except OSError:
+            continue  # exited in between
+        faults[member] = int(stat.rsplit(")", 1)[1].split()[9])  # field 12, majflt
+    return {"t": time.monotonic(), "cpu": sum(jiffies), "steal": jiffies[7] if len(jiffies) > 7
+            else 0, "major_faults": sum(faults.values())}
+
+
+def cmd_watch(ns: argparse.Namespace) -> int:
+    faults: dict[int, int] = {}
+    with open(ns.out, "w") as out:
+        while Path(f"/proc/{ns.pid}").exists():
+            out.write(json.dumps(machine_sample(ns.pid, faults)) + "\n")
+            out.flush()
+            time.sleep(ns.interval)
+    return 0
+
+
+def watch_summary(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Over a run: the steal share of all CPU time, the worst share in any second, and the
+    server's major faults."""
+    if len(samples) < 2:
+        return {}
+    first, last = samples[0], samples[-1]
+    worst, j = 0.0, 0
+    for i, start in enumerate(samples):
+        j = max(j, i + 1)
+        while j < len(samples) and samples[j]["t"] - start["t"] < 1.0:
+            j += 1
+        if j == len(samples):
+            break
+        cpu = samples[j]["cpu"] - start["cpu"]
+        if cpu > 0:
+            worst = max(worst, 100 * (samples[j]["steal"] - start["steal"]) / cpu)
+    cpu = last["cpu"] - first["cpu"]
+    return {"steal %": 100 * (last["steal"] - first["steal"]) / cpu if cpu > 0 else 0.0,
+            "steal % worst 1 s": worst,
+            "major faults": last["major_faults"] - first["major_faults"]}
+
+
 # -------------------------------------------------------------------- results table
 
 
 def load_runs(results: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """(workload, engine) -> one dict per round: vLLM bench's result JSON (saved with
-    --save-detailed) merged with the script's meta file of that run."""
+    --save-detailed) merged with the script's meta file of that run, the summary of its watch
+    file and its round."""
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in sorted(results.glob("*-r*.json")):
-        match = re.fullmatch(r"([A-Z])-(\w+)-r\d+\.json", path.name)
+        match = re.fullmatch(r"([A-Z])-(\w+)-r(\d+)\.json", path.name)
         if match is None:  # the meta and props files beside each result
             continue
-        workload, engine = match.groups()
+        workload, engine, round_ = match.groups()
         run = json.loads(path.read_text())
         meta = path.with_name(path.stem + ".meta.json")
         if meta.exists():
             run.update(json.loads(meta.read_text()))
+        watch = path.with_name(path.stem + ".watch.jsonl")
+        if watch.exists():
+            samples = [json.loads(line) for line in watch.read_text().splitlines() if line]
+            run.update(watch_summary(samples))
+        run["round"] = int(round_)
         runs.setdefault((workload, engine), []).append(run)
     return runs
 
@@ -206,6 +273,7 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
         "p50 / p99 over streams.", "",
     ]
     lines += _memory_lines(runs, engines)
+    lines += _machine_lines(runs, engines)
     return "\n".join(lines) + "\n"
 
 
@@ -224,6 +292,27 @@ def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: li
             f"{last.get('kv_tokens', '-')} | {_fmt(at_a.get('RSS MiB'))} | "
             f"{_fmt(at_a.get('PSS MiB'))} |"
         )
+    return lines
+
+
+def _machine_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: list[str]) -> list:
+    """Per run: steal % of the machine's CPU time (worst second), the server's major faults."""
+    cells = {(w, run["round"], e): run for (w, e), rs in runs.items() for run in rs
+             if "steal %" in run}
+    if not cells:
+        return []
+    lines = ["", "The machine during each run: steal (CPU time the hypervisor gave to other",
+             "guests) as a share of all CPU time, in the worst second in brackets, and the",
+             "server's major page faults (reads from disk).", "",
+             "| run | " + " | ".join(ENGINES[e] for e in engines) + " |",
+             "|---|" + "---|" * len(engines)]
+    for workload, round_ in sorted({(w, r) for w, r, _ in cells}):
+        row = []
+        for engine in engines:
+            run = cells.get((workload, round_, engine))
+            row.append("-" if run is None else f"{run['steal %']:.1f}% "
+                       f"({run['steal % worst 1 s']:.0f}%), {run['major faults']:.0f}")
+        lines.append(f"| {workload} r{round_} | " + " | ".join(row) + " |")
     return lines
 
 
@@ -278,12 +367,16 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--props", default=None, help="llama-server's /props answer (JSON)")
     rss = commands.add_parser("rss", help="RSS/PSS of a process tree")
     rss.add_argument("pid", type=int)
+    watch = commands.add_parser("watch", help="sample steal and major faults until PID exits")
+    watch.add_argument("pid", type=int)
+    watch.add_argument("out")
+    watch.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     table = commands.add_parser("table", help="markdown table of medians and ratios")
     table.add_argument("results")
     table.add_argument("--write", default=None, metavar="BENCHMARKS.md")
     ns = parser.parse_args(argv)
     handlers = {"kv": cmd_kv, "server-info": cmd_server_info, "rss": cmd_rss,
-                "table": cmd_table}
+                "watch": cmd_watch, "table": cmd_table}
     return handlers[ns.command](ns)
 
 

@@ -18,8 +18,9 @@
 #      exact form of VLLM_CPU_KVCACHE_SPACE, which only takes whole GiB), llama.cpp -c with one
 #      unified KV pool,
 #   5. for each round, workload and engine (engine order reversed every other round, so that
-#      machine drift cancels): starts a fresh server, warms it up, runs the workload, records
-#      the server's RSS/PSS at the end of A, stops the server,
+#      machine drift cancels): starts a fresh server, warms it up, runs the workload while
+#      sampling the machine's steal time and the server's major page faults, records the
+#      server's RSS/PSS at the end of A, stops the server,
 #   6. writes a table of medians and octavo/peer ratios to stdout and into BENCHMARKS.md
 #      between the compare.sh markers.
 #
@@ -307,11 +308,16 @@ run_one() {  # workload engine round
     bench --random-input-len 64 --random-output-len 16 --num-prompts 4 --max-concurrency 4 \
         --seed $((SEED + 1000)) > "$RESULTS/$name.warmup.log" 2>&1 \
         || log "warm-up of $engine failed (see $name.warmup.log)"
+    # The machine's steal time and the server's major faults, four times a second.
+    helper watch "$SERVER_PID" "$RESULTS/$name.watch.jsonl" &
+    local watcher=$!
     # shellcheck disable=SC2046
     bench $(workload_args "$workload") --seed "$SEED" --percentile-metrics ttft,tpot,itl,e2el \
         --metric-percentiles 50,99 --save-result --save-detailed --result-dir "$RESULTS" \
         --result-filename "$name.json" > "$RESULTS/$name.client.log" 2>&1 \
         || log "$name: the client failed (see $name.client.log)"
+    kill "$watcher" 2>/dev/null || true
+    wait "$watcher" 2>/dev/null || true
     local memory='{}' props=()
     [ "$workload" != A ] || memory=$(helper rss "$SERVER_PID")
     if [ "$engine" = llamacpp ] \

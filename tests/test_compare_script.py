@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -121,3 +122,40 @@ def test_replace_section_keeps_the_rest_of_the_document(compare) -> None:
                        "\n\n## Later\n")
     appended = compare.replace_section("# Benchmarks\n", "t\n")
     assert appended == f"# Benchmarks\n\n{compare.BEGIN}\nt\n{compare.END}\n"
+
+
+def test_watch_summary_gives_the_steal_share_its_worst_second_and_major_faults(compare) -> None:
+    # Four samples 0.5 s apart: 100 jiffies of CPU time each, steal 0, 10, 40 jiffies.
+    samples = [{"t": 0.5 * i, "cpu": 100 * i, "steal": s, "major_faults": f}
+               for i, (s, f) in enumerate([(0, 3), (0, 3), (10, 5), (50, 9)])]
+    summary = compare.watch_summary(samples)
+    assert summary["steal %"] == pytest.approx(100 * 50 / 300)
+    # Seconds: samples 0-2 (10 of 200 jiffies), 1-3 (50 of 200).
+    assert summary["steal % worst 1 s"] == pytest.approx(25.0)
+    assert summary["major faults"] == 6
+    assert compare.watch_summary(samples[:1]) == {}
+
+
+def test_machine_sample_reads_this_process(compare) -> None:
+    faults: dict[int, int] = {}
+    first = compare.machine_sample(os.getpid(), faults)
+    assert list(faults) == [os.getpid()] and first["major_faults"] == faults[os.getpid()] >= 0
+    # A process that exited keeps its last count in the sum.
+    faults[-1] = 5
+    second = compare.machine_sample(os.getpid(), faults)
+    assert second["major_faults"] >= first["major_faults"] + 5
+    assert second["t"] >= first["t"] and second["cpu"] >= first["cpu"] > 0
+    assert 0 <= first["steal"] <= first["cpu"]
+
+
+def test_table_lists_the_machine_during_each_run(compare, tmp_path) -> None:
+    meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "float32"}
+    for name in ("C-octavo-r1", "C-vllm-r1", "C-octavo-r2"):
+        _write_run(tmp_path, name, _result(100.0, 500.0, [[0.01]]), meta)
+    samples = [{"t": 0.0, "cpu": 0, "steal": 0, "major_faults": 0},
+               {"t": 1.0, "cpu": 200, "steal": 30, "major_faults": 12}]
+    (tmp_path / "C-octavo-r1.watch.jsonl").write_text(
+        "".join(json.dumps(s) + "\n" for s in samples))
+    table = compare.render_table(compare.load_runs(tmp_path), "")
+    assert "| C r1 | 15.0% (15%), 12 | - |" in table
+    assert "C r2" not in table  # no watch file: no row
