@@ -28,6 +28,9 @@ class SamplingMetadata:
     all_greedy: bool
     # No row greedy: the sampler skips the argmax and the final torch.where.
     all_random: bool
+    # Some random row's temperature is not 1: without one, the division (a pass over every
+    # row's logits) is skipped, which changes nothing.
+    scale_by_temperature: bool
     # (num_reqs,) int64, 0 = off; None when no row uses top-k.
     top_k: Tensor | None
     # (num_reqs,) float32, 1.0 = off; None when no row uses top-p.

@@ -52,7 +52,7 @@ class Sampler(nn.Module):
        presence over output tokens.
     5) Greedy rows: argmax of the logits as processed so far. If every row is greedy, the sample
        is done; nothing random runs.
-    6) Temperature: random rows are divided by theirs.
+    6) Temperature: random rows are divided by theirs (skipped when every one is 1).
     7) min-p, then 8) top-k, then 9) top-p: dropped tokens get -inf.
     10) Random rows: softmax, then inverse-CDF sampling (one uniform per row against the
         cumulative mass), seeded rows drawing their uniform from their own generator. With a
@@ -123,7 +123,8 @@ class Sampler(nn.Module):
             if metadata.all_greedy:
                 return greedy
         # 6) - 9)
-        apply_temperature(logits, metadata.temperature)
+        if metadata.scale_by_temperature:
+            apply_temperature(logits, metadata.temperature)
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)

@@ -215,6 +215,7 @@ class ModelRunner:
             temperature=self._to_device(temperature),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
+            scale_by_temperature=bool(((temperature != 0) & (temperature != 1)).any()),
             top_k=optional(batch.top_k, batch.top_k[rows] > 0),
             top_p=optional(batch.top_p, batch.top_p[rows] < 1),
             min_p=optional(batch.min_p, batch.min_p[rows] > 0),

@@ -65,6 +65,22 @@ def test_abort_in_every_state_frees_blocks(make_llm) -> None:
     assert_no_leak(llm)
 
 
+def test_a_small_temperature_samples_the_greedy_answer(llm) -> None:
+    """Temperature reaches the sampler (it skips the division only when every temperature is 0
+    or 1): at 0.001 a lead of 0.01 nats becomes 10, so seeded rows sample the greedy answer of
+    the row beside them, where temperature 1 would not."""
+    prompt = "Write a short poem about the sea."
+    cold = [SamplingParams(temperature=0.001, seed=seed, max_tokens=16, ignore_eos=True)
+            for seed in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), *cold,
+              SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True)]
+    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    greedy, warm = outputs[0].outputs[0].token_ids, outputs[-1].outputs[0].token_ids
+    assert all(o.outputs[0].token_ids == greedy for o in outputs[1:-1])
+    assert warm != greedy  # the same seed at temperature 1: the check above can fail
+    assert_no_leak(llm)
+
+
 def test_n_greater_than_one_shares_the_prompt(llm) -> None:
     prompt = "Write a short poem about the sea. " * 6
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16)

@@ -57,6 +57,7 @@ def make_metadata(
         temperature=tensor(temperature, torch.float32),
         all_greedy=all(t == 0.0 for t in temperature),
         all_random=all(t != 0.0 for t in temperature),
+        scale_by_temperature=any(t not in (0.0, 1.0) for t in temperature),
         top_k=tensor(top_k, torch.int64),
         top_p=tensor(top_p, torch.float32),
         min_p=tensor(min_p, torch.float32),
