@@ -308,8 +308,9 @@ run_one() {  # workload engine round
     bench --random-input-len 64 --random-output-len 16 --num-prompts 4 --max-concurrency 4 \
         --seed $((SEED + 1000)) > "$RESULTS/$name.warmup.log" 2>&1 \
         || log "warm-up of $engine failed (see $name.warmup.log)"
-    # The machine's steal time and the server's major faults, four times a second.
-    helper watch "$SERVER_PID" "$RESULTS/$name.watch.jsonl" &
+    # The machine's steal time and the server's major faults, four times a second (python
+    # itself in the background, not the helper function's subshell, so that kill stops it).
+    "$OCTAVO_PY" "$REPO/benchmarks/compare.py" watch "$SERVER_PID" "$RESULTS/$name.watch.jsonl" &
     local watcher=$!
     # shellcheck disable=SC2046
     bench $(workload_args "$workload") --seed "$SEED" --percentile-metrics ttft,tpot,itl,e2el \
