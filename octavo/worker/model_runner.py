@@ -257,7 +257,9 @@ class ModelRunner:
         logprobs_lists = None
         if sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
-            logprobs_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist())
+            logprobs_lists = (
+                lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
+            )
         sampled_by_row: dict[int, int] = {}
         logprobs_by_row: dict[int, TokenLogprobs] = {}
         for i, row in enumerate(inputs.sample_rows):
