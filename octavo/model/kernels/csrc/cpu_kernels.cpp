@@ -482,16 +482,22 @@ inline void prefetch_share(const cache_t* next, int64_t n_next, int64_t h, int64
 // `blocks`: its first token, its number of tokens, its first row in `base` plus `offset`, and the
 // same for the next block, whose rows fn prefetches as it goes. At the last block, "next" is
 // `after` (n_after rows; none by default): whatever the caller reads once this pass is done.
+// The first row of cache block `block` in `base` (keys or values), at column `offset`.
+template <typename cache_t>
+inline const cache_t* block_rows(const cache_t* base, int32_t block, int64_t block_size,
+                                 int64_t slot_stride, int64_t offset) {
+  return base + block * block_size * slot_stride + offset;
+}
+
 template <typename cache_t, typename Fn>
 inline void for_each_block(const cache_t* base, const int32_t* blocks, int64_t seq_len,
                            int64_t block_size, int64_t slot_stride, int64_t offset, Fn&& fn,
                            const cache_t* after = nullptr, int64_t n_after = 0) {
-  const int64_t block_stride = block_size * slot_stride;
   for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
     const int64_t n = std::min(block_size, seq_len - start);
-    const cache_t* block = base + blocks[b] * block_stride + offset;
+    const cache_t* block = block_rows(base, blocks[b], block_size, slot_stride, offset);
     if (start + n < seq_len) {
-      fn(start, n, block, base + blocks[b + 1] * block_stride + offset,
+      fn(start, n, block, block_rows(base, blocks[b + 1], block_size, slot_stride, offset),
          std::min(block_size, seq_len - start - n));
     } else {
       fn(start, n, block, after, n_after);
@@ -505,7 +511,7 @@ template <typename cache_t>
 inline const cache_t* first_block(const PagedArgs<cache_t>& a, const cache_t* base, int64_t seq,
                                   int64_t offset, int64_t& n) {
   n = std::min<int64_t>(a.block_size, a.lens[seq]);
-  return base + a.table[seq * a.max_blocks] * a.block_size * a.slot_stride + offset;
+  return block_rows(base, a.table[seq * a.max_blocks], a.block_size, a.slot_stride, offset);
 }
 
 // The AVX2 version for head_dim a multiple of 8. Scores: key rows are read in order, and each
@@ -1577,9 +1583,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
 // rows of the vocabulary's size each). The row is overwritten with exp(logit - max) and summed
 // (exp_shifted_sum: a token at -inf, dropped by a filter, keeps probability exactly 0); then the
 // walk takes eight tokens at a time up to the eight whose sum passes the threshold, and one token
-// at a time inside them. The threshold is kept below the
-// total, and should rounding still carry the walk past the end (the sums of eight are added in
-// another order than the total), the last token with mass is taken: never one without.
+// at a time inside them. The threshold is kept below the total, and should rounding still carry
+// the walk past the end (the sums of eight are added in another order than the total), the last
+// token with mass is taken: never one without.
 
 // The first index whose running sum of e[0..] exceeds threshold (< the total of e).
 inline int64_t walk_row(const float* e, int64_t n, float threshold) {
