@@ -50,8 +50,16 @@ def cmd_kv(ns: argparse.Namespace) -> int:
     if dtype == "auto":
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
     per_token = kv_bytes_per_token(config, DTYPE_BYTES[dtype])
-    print(json.dumps({"tokens": ns.tokens, "dtype": dtype, "bytes_per_token": per_token,
-                      "bytes": ns.tokens * per_token}))
+    print(
+        json.dumps(
+            {
+                "tokens": ns.tokens,
+                "dtype": dtype,
+                "bytes_per_token": per_token,
+                "bytes": ns.tokens * per_token,
+            }
+        )
+    )
     return 0
 
 
@@ -149,8 +157,12 @@ def machine_sample(pid: int, faults: dict[int, int]) -> dict[str, float]:
         except OSError:
             continue  # exited in between
         faults[member] = int(stat.rsplit(")", 1)[1].split()[9])  # field 12, majflt
-    return {"t": time.monotonic(), "cpu": sum(jiffies), "steal": jiffies[7] if len(jiffies) > 7
-            else 0, "major_faults": sum(faults.values())}
+    return {
+        "t": time.monotonic(),
+        "cpu": sum(jiffies),
+        "steal": jiffies[7] if len(jiffies) > 7 else 0,
+        "major_faults": sum(faults.values()),
+    }
 
 
 def cmd_watch(ns: argparse.Namespace) -> int:
@@ -180,9 +192,11 @@ def watch_summary(samples: list[dict[str, float]]) -> dict[str, float]:
         if cpu > 0:
             worst = max(worst, 100 * (samples[j]["steal"] - start["steal"]) / cpu)
     cpu = last["cpu"] - first["cpu"]
-    return {"steal %": 100 * (last["steal"] - first["steal"]) / cpu if cpu > 0 else 0.0,
-            "steal % worst 1 s": worst,
-            "major faults": last["major_faults"] - first["major_faults"]}
+    return {
+        "steal %": 100 * (last["steal"] - first["steal"]) / cpu if cpu > 0 else 0.0,
+        "steal % worst 1 s": worst,
+        "major faults": last["major_faults"] - first["major_faults"],
+    }
 
 
 # -------------------------------------------------------------------- results table
@@ -234,8 +248,18 @@ def run_metrics(run: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-COLUMNS = ["req/s", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50",
-           "ITL p99", "max gap p50", "max gap p99"]
+COLUMNS = [
+    "req/s",
+    "out tok/s",
+    "total tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p50",
+    "ITL p50",
+    "ITL p99",
+    "max gap p50",
+    "max gap p99",
+]
 HIGHER_IS_BETTER = {"req/s", "out tok/s", "total tok/s"}
 
 
@@ -248,8 +272,12 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
 def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str) -> str:
     workloads = sorted({workload for workload, _ in runs})
     engines = [e for e in ENGINES if any(engine == e for _, engine in runs)]
-    lines = [header, "", "| workload | engine | runs | " + " | ".join(COLUMNS) + " |",
-             "|---|---|---|" + "---|" * len(COLUMNS)]
+    lines = [
+        header,
+        "",
+        "| workload | engine | runs | " + " | ".join(COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(COLUMNS),
+    ]
     summary: dict[tuple[str, str], dict[str, float]] = {}
     for workload in workloads:
         for engine in engines:
@@ -264,13 +292,16 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
             ours, theirs = summary.get((workload, "octavo")), summary.get((workload, peer))
             if ours and theirs:
                 cells = [_ratio(ours.get(c), theirs.get(c)) for c in COLUMNS]
-                lines.append(f"| {workload} | octavo/{ENGINES[peer]} | | " + " | ".join(cells)
-                             + " |")
+                lines.append(
+                    f"| {workload} | octavo/{ENGINES[peer]} | | " + " | ".join(cells) + " |"
+                )
     lines += [
-        "", "Times in ms (medians over rounds of each run's median or p99). Ratios are octavo",
+        "",
+        "Times in ms (medians over rounds of each run's median or p99). Ratios are octavo",
         "over the peer: above 1 is better for octavo in req/s and tok/s, below 1 in every",
         "time. Max gap: per stream, the largest time between two consecutive tokens, then",
-        "p50 / p99 over streams.", "",
+        "p50 / p99 over streams.",
+        "",
     ]
     lines += _memory_lines(runs, engines)
     lines += _machine_lines(runs, engines)
@@ -278,8 +309,11 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
 
 
 def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: list[str]) -> list:
-    lines = ["| engine | compute dtype, KV cache | KV tokens (asked / reported) | RSS at end "
-             "of A (MiB) | PSS at end of A (MiB) |", "|---|---|---|---|---|"]
+    lines = [
+        "| engine | compute dtype, KV cache | KV tokens (asked / reported) | RSS at end "
+        "of A (MiB) | PSS at end of A (MiB) |",
+        "|---|---|---|---|---|",
+    ]
     for engine in engines:
         rounds = [run for (w, e), rs in runs.items() if e == engine for run in rs]
         if not rounds:
@@ -297,21 +331,30 @@ def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: li
 
 def _machine_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: list[str]) -> list:
     """Per run: steal % of the machine's CPU time (worst second), the server's major faults."""
-    cells = {(w, run["round"], e): run for (w, e), rs in runs.items() for run in rs
-             if "steal %" in run}
+    cells = {
+        (w, run["round"], e): run for (w, e), rs in runs.items() for run in rs if "steal %" in run
+    }
     if not cells:
         return []
-    lines = ["", "The machine during each run: steal (CPU time the hypervisor gave to other",
-             "guests) as a share of all CPU time, in the worst second in brackets, and the",
-             "server's major page faults (reads from disk).", "",
-             "| run | " + " | ".join(ENGINES[e] for e in engines) + " |",
-             "|---|" + "---|" * len(engines)]
+    lines = [
+        "",
+        "The machine during each run: steal (CPU time the hypervisor gave to other",
+        "guests) as a share of all CPU time, in the worst second in brackets, and the",
+        "server's major page faults (reads from disk).",
+        "",
+        "| run | " + " | ".join(ENGINES[e] for e in engines) + " |",
+        "|---|" + "---|" * len(engines),
+    ]
     for workload, round_ in sorted({(w, r) for w, r, _ in cells}):
         row = []
         for engine in engines:
             run = cells.get((workload, round_, engine))
-            row.append("-" if run is None else f"{run['steal %']:.1f}% "
-                       f"({run['steal % worst 1 s']:.0f}%), {run['major faults']:.0f}")
+            row.append(
+                "-"
+                if run is None
+                else f"{run['steal %']:.1f}% "
+                f"({run['steal % worst 1 s']:.0f}%), {run['major faults']:.0f}"
+            )
         lines.append(f"| {workload} r{round_} | " + " | ".join(row) + " |")
     return lines
 
@@ -323,7 +366,7 @@ def replace_section(document: str, section: str) -> str:
     start, end = document.find(BEGIN), document.find(END)
     if start == -1 or end == -1:
         return document.rstrip("\n") + "\n\n" + block + "\n"
-    return document[:start] + block + document[end + len(END):]
+    return document[:start] + block + document[end + len(END) :]
 
 
 def cmd_table(ns: argparse.Namespace) -> int:
@@ -346,8 +389,13 @@ def cmd_table(ns: argparse.Namespace) -> int:
 def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 1000 \
+    return (
+        f"{value:.3f}"
+        if abs(value) < 10
+        else f"{value:.1f}"
+        if abs(value) < 1000
         else f"{value:.0f}"
+    )
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:
@@ -375,8 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("results")
     table.add_argument("--write", default=None, metavar="BENCHMARKS.md")
     ns = parser.parse_args(argv)
-    handlers = {"kv": cmd_kv, "server-info": cmd_server_info, "rss": cmd_rss,
-                "watch": cmd_watch, "table": cmd_table}
+    handlers = {
+        "kv": cmd_kv,
+        "server-info": cmd_server_info,
+        "rss": cmd_rss,
+        "watch": cmd_watch,
+        "table": cmd_table,
+    }
     return handlers[ns.command](ns)
 
 

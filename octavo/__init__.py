@@ -3,7 +3,7 @@
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

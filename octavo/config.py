@@ -118,8 +118,12 @@ class EngineArgs:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}; got {getattr(self, name)!r}."
                 )
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_tokens",
-                     "kv_cache_memory_bytes"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "kv_cache_tokens",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
@@ -130,13 +134,17 @@ class EngineArgs:
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")
         _check_scheduling(
-            self.admission, self.watermark, self.preempt_victim,
+            self.admission,
+            self.watermark,
+            self.preempt_victim,
             self.long_prefill_token_threshold or 0,
         )
 
 
 def _check_scheduling(
-    admission: str, watermark: float, preempt_victim: str | None,
+    admission: str,
+    watermark: float,
+    preempt_victim: str | None,
     long_prefill_token_threshold: int,
 ) -> None:
     """The scheduler knobs EngineArgs and SchedulerConfig share, checked the same way."""
@@ -172,6 +180,5 @@ def load_chat_template(value: str | None) -> str | None:
         if any(char in value for char in _TEMPLATE_CHARS):
             return value
         raise ValueError(
-            f"chat_template {value!r} is neither a readable file ({exc.strerror}) nor a "
-            "template."
+            f"chat_template {value!r} is neither a readable file ({exc.strerror}) nor a template."
         ) from None

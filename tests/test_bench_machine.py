@@ -9,8 +9,21 @@ from octavo.entrypoints.cli import main
 
 
 def test_bench_machine_ends_with_consistent_json(capsys) -> None:
-    assert main(["bench", "machine", "--seconds", "0.02", "--num-params", "1e8",
-                 "--num-embedding-params", "2e7"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "machine",
+                "--seconds",
+                "0.02",
+                "--num-params",
+                "1e8",
+                "--num-embedding-params",
+                "2e7",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     bandwidth = result["copy_bandwidth_gb_s"]
     assert bandwidth > 0 and result["float32_gflops_rows512"] > 0

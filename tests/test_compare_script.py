@@ -21,16 +21,20 @@ def compare():
     return module
 
 
-SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
-           "num_hidden_layers": 30, "torch_dtype": "bfloat16"}
+SMOLLM2 = {
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(compare) -> None:
     # 2 (K, V) x 30 layers x 3 kv heads x 64 dims x 4 bytes: the 46080 octavo's own log states.
     assert compare.kv_bytes_per_token(SMOLLM2, 4) == 46080
     assert compare.kv_bytes_per_token(SMOLLM2, 2) == 23040
-    no_gqa = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2,
-              "head_dim": 32}
+    no_gqa = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "head_dim": 32}
     assert compare.kv_bytes_per_token(no_gqa, 2) == 2 * 2 * 4 * 32 * 2
 
 
@@ -38,8 +42,12 @@ def test_kv_command_resolves_auto_to_the_checkpoint_dtype(compare, tmp_path, cap
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
     assert compare.main(["kv", str(tmp_path), "--tokens", "1000"]) == 0
     auto = json.loads(capsys.readouterr().out)
-    assert auto == {"tokens": 1000, "dtype": "bfloat16", "bytes_per_token": 23040,
-                    "bytes": 23_040_000}
+    assert auto == {
+        "tokens": 1000,
+        "dtype": "bfloat16",
+        "bytes_per_token": 23040,
+        "bytes": 23_040_000,
+    }
     compare.main(["kv", str(tmp_path), "--tokens", "1000", "--dtype", "float32"])
     assert json.loads(capsys.readouterr().out)["bytes"] == 46_080_000
 
@@ -51,8 +59,10 @@ def test_server_info_reads_what_each_server_logged(compare) -> None:
         "INFO 2026-11-29 21:45:21,417 octavo.worker.setup: KV cache: 256 blocks x 128 tokens = "
         "32768 tokens (720.0 MiB, bfloat16); 4 requests of max_model_len (8192) fit\n"
     )
-    assert compare.server_info("octavo", octavo_log) == {"kv_tokens": 32768,
-                                                         "dtype": "float32, bfloat16 KV"}
+    assert compare.server_info("octavo", octavo_log) == {
+        "kv_tokens": 32768,
+        "dtype": "float32, bfloat16 KV",
+    }
     vllm_log = (
         "INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m', "
         "dtype=torch.float32, max_seq_len=8192, kv_cache_dtype=auto, device_config=cpu\n"
@@ -60,8 +70,10 @@ def test_server_info_reads_what_each_server_logged(compare) -> None:
         "for 8,192 tokens per request: 4.00x\n"
     )
     # vLLM's "auto" cache holds its compute dtype.
-    assert compare.server_info("vllm", vllm_log) == {"kv_tokens": 32768,
-                                                     "dtype": "float32, float32 KV"}
+    assert compare.server_info("vllm", vllm_log) == {
+        "kv_tokens": 32768,
+        "dtype": "float32, float32 KV",
+    }
     fp8 = vllm_log.replace("kv_cache_dtype=auto", "kv_cache_dtype=fp8_e5m2")
     assert compare.server_info("vllm", fp8)["dtype"] == "float32, fp8_e5m2 KV"
     assert compare.server_info("vllm", "nothing useful") == {}
@@ -70,10 +82,18 @@ def test_server_info_reads_what_each_server_logged(compare) -> None:
 
 
 def _result(out_tps: float, ttft_p99: float, itls: list[list[float]], completed: int = 8):
-    return {"completed": completed, "request_throughput": out_tps / 128,
-            "output_throughput": out_tps, "total_token_throughput": 3 * out_tps,
-            "median_ttft_ms": ttft_p99 / 2, "p99_ttft_ms": ttft_p99, "median_tpot_ms": 20.0,
-            "median_itl_ms": 19.0, "p99_itl_ms": 50.0, "itls": itls}
+    return {
+        "completed": completed,
+        "request_throughput": out_tps / 128,
+        "output_throughput": out_tps,
+        "total_token_throughput": 3 * out_tps,
+        "median_ttft_ms": ttft_p99 / 2,
+        "p99_ttft_ms": ttft_p99,
+        "median_tpot_ms": 20.0,
+        "median_itl_ms": 19.0,
+        "p99_itl_ms": 50.0,
+        "itls": itls,
+    }
 
 
 def _write_run(directory: pathlib.Path, name: str, result: dict, meta: dict) -> None:
@@ -83,10 +103,18 @@ def _write_run(directory: pathlib.Path, name: str, result: dict, meta: dict) -> 
 
 def test_table_holds_medians_over_rounds_and_ratios_to_each_peer(compare, tmp_path) -> None:
     meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "float32"}
-    _write_run(tmp_path, "A-octavo-r1", _result(150.0, 900.0, [[0.01, 0.30], [0.02]]),
-               {**meta, "rss_kib": 2048 * 1024, "pss_kib": 2000 * 1024})
-    _write_run(tmp_path, "A-octavo-r2", _result(170.0, 1100.0, [[0.01, 0.10], [0.04]]),
-               {**meta, "rss_kib": 3072 * 1024, "pss_kib": 3000 * 1024})
+    _write_run(
+        tmp_path,
+        "A-octavo-r1",
+        _result(150.0, 900.0, [[0.01, 0.30], [0.02]]),
+        {**meta, "rss_kib": 2048 * 1024, "pss_kib": 2000 * 1024},
+    )
+    _write_run(
+        tmp_path,
+        "A-octavo-r2",
+        _result(170.0, 1100.0, [[0.01, 0.10], [0.04]]),
+        {**meta, "rss_kib": 3072 * 1024, "pss_kib": 3000 * 1024},
+    )
     _write_run(tmp_path, "A-vllm-r1", _result(100.0, 2000.0, [[0.5]]), meta)
     _write_run(tmp_path, "A-vllm-r2", _result(120.0, 2000.0, [[0.5]]), meta)
     # A failed run (nothing completed) is listed but left out of the medians.
@@ -105,8 +133,11 @@ def test_table_holds_medians_over_rounds_and_ratios_to_each_peer(compare, tmp_pa
     assert compare.medians(runs[("A", "vllm")])["out tok/s"] == pytest.approx(110.0)
 
     table = compare.render_table(runs, "## header")
-    rows = {tuple(cell.strip() for cell in line.split("|")[1:4]): line
-            for line in table.splitlines() if line.startswith("| A ")}
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:4]): line
+        for line in table.splitlines()
+        if line.startswith("| A ")
+    }
     assert "| 160.0 |" in rows[("A", "octavo", "2")]
     assert "| 110.0 |" in rows[("A", "vLLM", "2")]
     ratio = rows[("A", "octavo/vLLM", "")].split("|")[4:]
@@ -118,16 +149,19 @@ def test_table_holds_medians_over_rounds_and_ratios_to_each_peer(compare, tmp_pa
 def test_replace_section_keeps_the_rest_of_the_document(compare) -> None:
     document = f"# Benchmarks\n\nintro\n\n{compare.BEGIN}\nold table\n{compare.END}\n\n## Later\n"
     updated = compare.replace_section(document, "new table\n")
-    assert updated == (f"# Benchmarks\n\nintro\n\n{compare.BEGIN}\nnew table\n{compare.END}"
-                       "\n\n## Later\n")
+    assert updated == (
+        f"# Benchmarks\n\nintro\n\n{compare.BEGIN}\nnew table\n{compare.END}\n\n## Later\n"
+    )
     appended = compare.replace_section("# Benchmarks\n", "t\n")
     assert appended == f"# Benchmarks\n\n{compare.BEGIN}\nt\n{compare.END}\n"
 
 
 def test_watch_summary_gives_the_steal_share_its_worst_second_and_major_faults(compare) -> None:
     # Four samples 0.5 s apart: 100 jiffies of CPU time each, steal 0, 10, 40 jiffies.
-    samples = [{"t": 0.5 * i, "cpu": 100 * i, "steal": s, "major_faults": f}
-               for i, (s, f) in enumerate([(0, 3), (0, 3), (10, 5), (50, 9)])]
+    samples = [
+        {"t": 0.5 * i, "cpu": 100 * i, "steal": s, "major_faults": f}
+        for i, (s, f) in enumerate([(0, 3), (0, 3), (10, 5), (50, 9)])
+    ]
     summary = compare.watch_summary(samples)
     assert summary["steal %"] == pytest.approx(100 * 50 / 300)
     # Seconds: samples 0-2 (10 of 200 jiffies), 1-3 (50 of 200).
@@ -152,10 +186,13 @@ def test_table_lists_the_machine_during_each_run(compare, tmp_path) -> None:
     meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "float32"}
     for name in ("C-octavo-r1", "C-vllm-r1", "C-octavo-r2"):
         _write_run(tmp_path, name, _result(100.0, 500.0, [[0.01]]), meta)
-    samples = [{"t": 0.0, "cpu": 0, "steal": 0, "major_faults": 0},
-               {"t": 1.0, "cpu": 200, "steal": 30, "major_faults": 12}]
+    samples = [
+        {"t": 0.0, "cpu": 0, "steal": 0, "major_faults": 0},
+        {"t": 1.0, "cpu": 200, "steal": 30, "major_faults": 12},
+    ]
     (tmp_path / "C-octavo-r1.watch.jsonl").write_text(
-        "".join(json.dumps(s) + "\n" for s in samples))
+        "".join(json.dumps(s) + "\n" for s in samples)
+    )
     table = compare.render_table(compare.load_runs(tmp_path), "")
     assert "| C r1 | 15.0% (15%), 12 | - |" in table
     assert "C r2" not in table  # no watch file: no row

@@ -9,7 +9,14 @@ from octavo import SamplingParams
 
 def test_defaults_follow_vllm() -> None:
     p = SamplingParams()
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, 16)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+        16,
+    )
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.stop == [] and p.stop_token_ids == [] and p.seed is None and p.logprobs is None
     assert p.skip_special_tokens and not p.ignore_eos and p.min_tokens == 0
@@ -25,10 +32,22 @@ def test_greedy_normalises_filters_and_single_stop_string_becomes_a_list() -> No
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-        ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-        ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
-        ("stop", [""]), ("stop_token_ids", [-5]), ("seed", "x"), ("logit_bias", {1: 200.0}),
+        ("n", 0),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [-5]),
+        ("seed", "x"),
+        ("logit_bias", {1: 200.0}),
     ],
 )
 def test_invalid_values_name_the_field(field: str, value) -> None:

@@ -22,10 +22,17 @@ _WARMUP_STEPS = 5
 
 
 def add_decode_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", default="1,8,32",
-                        help="comma-separated numbers of requests decoding together")
-    parser.add_argument("--context-len", type=int, default=256,
-                        help="prompt tokens of every request (context grows by one per step)")
+    parser.add_argument(
+        "--batch-sizes",
+        default="1,8,32",
+        help="comma-separated numbers of requests decoding together",
+    )
+    parser.add_argument(
+        "--context-len",
+        type=int,
+        default=256,
+        help="prompt tokens of every request (context grows by one per step)",
+    )
     parser.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     parser.add_argument("--dataset-seed", type=int, default=0)
 
@@ -51,28 +58,34 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
     llm = LLM.from_engine_args(args)
     engine = llm.llm_engine
     if max(sizes) > engine.config.scheduler.max_num_seqs:
-        raise ValueError(f"batch size {max(sizes)} is above --max-num-seqs "
-                         f"{engine.config.scheduler.max_num_seqs}.")
+        raise ValueError(
+            f"batch size {max(sizes)} is above --max-num-seqs "
+            f"{engine.config.scheduler.max_num_seqs}."
+        )
     # Requests prefilled in an early step of a large batch decode ahead of the others: give all
     # of them room to the end of the context window, and abort them once timed, so every timed
     # step decodes the whole batch.
     room = engine.config.scheduler.max_model_len - ns.context_len
     if room < _WARMUP_STEPS + ns.steps + 1:
-        raise ValueError(f"--context-len {ns.context_len} leaves too few tokens before "
-                         f"max_model_len {engine.config.scheduler.max_model_len}.")
+        raise ValueError(
+            f"--context-len {ns.context_len} leaves too few tokens before "
+            f"max_model_len {engine.config.scheduler.max_model_len}."
+        )
     print("config:", engine.config.to_json())
     params = SamplingParams(temperature=1.0, ignore_eos=True, seed=0, max_tokens=room)
     results = []
     for size in sizes:
-        prompts = random_prompts(size, ns.context_len, engine.model_runner.vocab_size,
-                                 ns.dataset_seed + size)
+        prompts = random_prompts(
+            size, ns.context_len, engine.model_runner.vocab_size, ns.dataset_seed + size
+        )
         request_ids = [f"decode-{size}-{i}" for i in range(size)]
         for request_id, prompt in zip(request_ids, prompts):
             engine.add_request(request_id, prompt, params)
         # Prefill (in as many steps as the token budget needs), then warm-up decodes.
         scheduler = engine.scheduler
-        while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in scheduler.running):
+        while scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+        ):
             engine.step()
         for _ in range(_WARMUP_STEPS):
             engine.step()
@@ -85,14 +98,27 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
         while engine.has_unfinished_requests():
             engine.step()
         median = statistics.median(times_ms)
-        results.append({
-            "batch_size": size,
-            "step_ms_median": round(median, 2),
-            "step_ms_min": round(min(times_ms), 2),
-            "decode_tokens_per_s": round(size * 1e3 / median, 1),
-        })
-        print(f"batch {size:4d}: step {median:8.1f} ms median, {min(times_ms):8.1f} ms min, "
-              f"{size * 1e3 / median:7.1f} decode tok/s", flush=True)
-    print(json.dumps({"context_len": ns.context_len, "steps": ns.steps,
-                      "dtype": engine.config.dtype, "results": results}))
+        results.append(
+            {
+                "batch_size": size,
+                "step_ms_median": round(median, 2),
+                "step_ms_min": round(min(times_ms), 2),
+                "decode_tokens_per_s": round(size * 1e3 / median, 1),
+            }
+        )
+        print(
+            f"batch {size:4d}: step {median:8.1f} ms median, {min(times_ms):8.1f} ms min, "
+            f"{size * 1e3 / median:7.1f} decode tok/s",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "context_len": ns.context_len,
+                "steps": ns.steps,
+                "dtype": engine.config.dtype,
+                "results": results,
+            }
+        )
+    )
     return 0

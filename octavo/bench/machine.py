@@ -21,10 +21,18 @@ import torch
 def add_machine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=576)
     parser.add_argument("--intermediate-size", type=int, default=1536)
-    parser.add_argument("--num-params", type=float, default=134.5e6,
-                        help="model parameters, for the ceilings (default: SmolLM2-135M)")
-    parser.add_argument("--num-embedding-params", type=float, default=28.3e6,
-                        help="embedding parameters, only read for sampled tokens")
+    parser.add_argument(
+        "--num-params",
+        type=float,
+        default=134.5e6,
+        help="model parameters, for the ceilings (default: SmolLM2-135M)",
+    )
+    parser.add_argument(
+        "--num-embedding-params",
+        type=float,
+        default=28.3e6,
+        help="embedding parameters, only read for sampled tokens",
+    )
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
 
 
@@ -39,8 +47,9 @@ def _time_per_call(fn, seconds: float) -> float:
             return elapsed / calls
 
 
-def matmul_gflops(rows: int, in_features: int, out_features: int, dtype: torch.dtype,
-                  seconds: float) -> float:
+def matmul_gflops(
+    rows: int, in_features: int, out_features: int, dtype: torch.dtype, seconds: float
+) -> float:
     x = torch.randn(rows, in_features, dtype=dtype)
     weight = torch.randn(out_features, in_features, dtype=dtype)
     per_call = _time_per_call(lambda: torch.nn.functional.linear(x, weight), seconds)
@@ -63,8 +72,10 @@ def run_machine(ns: argparse.Namespace) -> int:
         for rows in (1, 32, 512):
             gflops = matmul_gflops(rows, ns.hidden_size, ns.intermediate_size, dtype, ns.seconds)
             result[f"{name}_gflops_rows{rows}"] = round(gflops, 1)
-            print(f"matmul {name:8s} {rows:4d} x {ns.hidden_size} -> {ns.intermediate_size}: "
-                  f"{gflops:7.1f} GFLOP/s")
+            print(
+                f"matmul {name:8s} {rows:4d} x {ns.hidden_size} -> {ns.intermediate_size}: "
+                f"{gflops:7.1f} GFLOP/s"
+            )
     bandwidth = copy_bandwidth_gb_s(512 << 20, ns.seconds)
     result["copy_bandwidth_gb_s"] = round(bandwidth, 1)
     print(f"memory bandwidth (512 MiB copy): {bandwidth:.1f} GB/s")
@@ -78,7 +89,9 @@ def run_machine(ns: argparse.Namespace) -> int:
         # Large batches: prompt tokens cost 2 x decoder params; logits only where sampled.
         large = gflops * 1e9 / (2 * decoder_params)
         result[f"{name}_large_batch_tokens_per_s_ceiling"] = round(large, 1)
-        print(f"{name}: batch-1 decode <= {ceiling:.1f} tok/s (bandwidth); "
-              f"large batch <= {large:.1f} tok/s (compute)")
+        print(
+            f"{name}: batch-1 decode <= {ceiling:.1f} tok/s (bandwidth); "
+            f"large batch <= {large:.1f} tok/s (compute)"
+        )
     print(json.dumps(result))
     return 0

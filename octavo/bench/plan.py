@@ -105,29 +105,35 @@ def make_plan(records: list[dict[str, Any]], kv_cache_tokens: int) -> CapacityPl
 def format_plan(plan: CapacityPlan) -> str:
     no_eviction = max(plan.max_num_seqs_no_eviction, 1)
     full_pool = max(plan.max_num_seqs_full_pool, 1)
-    return "\n".join([
-        f"requests: {plan.num_requests} ({plan.num_aborted} aborted, left out); KV pool "
-        f"{plan.kv_cache_tokens} tokens",
-        f"prompt tokens: mean {plan.mean_prompt_tokens:.1f}; answer tokens: mean "
-        f"{plan.mean_completion_tokens:.1f}, p95 {plan.p95_completion_tokens}, p99.9 "
-        f"{plan.p999_completion_tokens}",
-        f"max_tokens: send {plan.recommended_max_tokens} (cuts {plan.cut_share:.2%} of the "
-        "logged answers)",
-        f"concurrency without evictions: {plan.max_num_seqs_no_eviction} "
-        "(pool / (mean prompt + p95 answer))",
-        f"concurrency that fills the pool on an average mix: {plan.max_num_seqs_full_pool} "
-        "(pool / (mean prompt + mean answer))",
-        "flags:",
-        f"  streams must never freeze:  --max-num-seqs {no_eviction}",
-        f"  throughput first:           --max-num-seqs {full_pool} --admission current",
-        f"  throughput, fewer freezes:  --max-num-seqs {full_pool} --admission ratio",
-    ])
+    return "\n".join(
+        [
+            f"requests: {plan.num_requests} ({plan.num_aborted} aborted, left out); KV pool "
+            f"{plan.kv_cache_tokens} tokens",
+            f"prompt tokens: mean {plan.mean_prompt_tokens:.1f}; answer tokens: mean "
+            f"{plan.mean_completion_tokens:.1f}, p95 {plan.p95_completion_tokens}, p99.9 "
+            f"{plan.p999_completion_tokens}",
+            f"max_tokens: send {plan.recommended_max_tokens} (cuts {plan.cut_share:.2%} of the "
+            "logged answers)",
+            f"concurrency without evictions: {plan.max_num_seqs_no_eviction} "
+            "(pool / (mean prompt + p95 answer))",
+            f"concurrency that fills the pool on an average mix: {plan.max_num_seqs_full_pool} "
+            "(pool / (mean prompt + mean answer))",
+            "flags:",
+            f"  streams must never freeze:  --max-num-seqs {no_eviction}",
+            f"  throughput first:           --max-num-seqs {full_pool} --admission current",
+            f"  throughput, fewer freezes:  --max-num-seqs {full_pool} --admission ratio",
+        ]
+    )
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="a request log written with --request-log")
-    parser.add_argument("--kv-cache-tokens", type=int, required=True,
-                        help="the KV pool to plan for, in tokens (the start-up capacity line)")
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        required=True,
+        help="the KV pool to plan for, in tokens (the start-up capacity line)",
+    )
 
 
 def run_plan(ns: argparse.Namespace) -> int:

@@ -254,9 +254,7 @@ def run_policy(
 def _make_request(item: TraceRequest) -> Request:
     params = SamplingParams(max_tokens=item.max_tokens)
     params.all_stop_token_ids = {EOS_TOKEN_ID}
-    return Request(
-        item.request_id, item.prompt_token_ids, params, item.max_tokens, item.arrival_s
-    )
+    return Request(item.request_id, item.prompt_token_ids, params, item.max_tokens, item.arrival_s)
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -266,9 +264,11 @@ def format_table(results: list[PolicyResult]) -> str:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    header = (f"{'policy':<8} {'output tok/s':>12} {'evicted':>8} {'freeze p50 s':>12} "
-              f"{'freeze p99 s':>12} {'TTFT p50 s':>10} {'redone prefill':>14} "
-              f"{'preemptions':>11}")
+    header = (
+        f"{'policy':<8} {'output tok/s':>12} {'evicted':>8} {'freeze p50 s':>12} "
+        f"{'freeze p99 s':>12} {'TTFT p50 s':>10} {'redone prefill':>14} "
+        f"{'preemptions':>11}"
+    )
     rows = [header]
     for r in results:
         rows.append(
@@ -282,8 +282,12 @@ def format_table(results: list[PolicyResult]) -> str:
 def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
     defaults = TraceConfig()
     parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
-    parser.add_argument("--request-rate", type=float, default=defaults.request_rate,
-                        help="Poisson arrivals per simulated second")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=defaults.request_rate,
+        help="Poisson arrivals per simulated second",
+    )
     parser.add_argument("--mean-prompt-len", type=int, default=defaults.mean_prompt_len)
     parser.add_argument("--median-answer-len", type=int, default=defaults.median_answer_len)
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
@@ -294,11 +298,17 @@ def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watermark", type=float, default=0.0)
     parser.add_argument("--dataset-seed", type=int, default=defaults.seed)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    parser.add_argument("--on-model", action="store_true",
-                        help="replay in wall-clock time through the real engine and model "
-                             "instead of the cost model (use a small trace)")
-    parser.add_argument("--model", default=None,
-                        help="with --on-model: HF folder or .gguf (default: the embedded one)")
+    parser.add_argument(
+        "--on-model",
+        action="store_true",
+        help="replay in wall-clock time through the real engine and model "
+        "instead of the cost model (use a small trace)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="with --on-model: HF folder or .gguf (default: the embedded one)",
+    )
     parser.add_argument("--dtype", default="float32")
 
 
@@ -325,15 +335,26 @@ def run_policies_bench(ns: argparse.Namespace) -> int:
     cost = CostModel()
     if ns.on_model:
         return _run_on_model(ns, trace, trace_config, max_model_len)
-    print("config:", json.dumps({"trace": asdict(trace_config), "cost_model": asdict(cost),
-                                 "kv_cache_tokens": cache_config.num_tokens,
-                                 "block_size": ns.block_size, "max_num_seqs": ns.max_num_seqs,
-                                 "max_num_batched_tokens": ns.max_num_batched_tokens,
-                                 "watermark": ns.watermark}))
+    print(
+        "config:",
+        json.dumps(
+            {
+                "trace": asdict(trace_config),
+                "cost_model": asdict(cost),
+                "kv_cache_tokens": cache_config.num_tokens,
+                "block_size": ns.block_size,
+                "max_num_seqs": ns.max_num_seqs,
+                "max_num_batched_tokens": ns.max_num_batched_tokens,
+                "watermark": ns.watermark,
+            }
+        ),
+    )
     answers = sorted(t.answer_len for t in trace)
-    print(f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; answer "
-          f"tokens median {answers[len(answers) // 2]}, max {answers[-1]}; times below are "
-          "simulated seconds")
+    print(
+        f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; answer "
+        f"tokens median {answers[len(answers) // 2]}, max {answers[-1]}; times below are "
+        "simulated seconds"
+    )
     results = [
         run_policy(trace, policy, cache_config, scheduler_config, cost) for policy in ns.policies
     ]
@@ -343,20 +364,29 @@ def run_policies_bench(ns: argparse.Namespace) -> int:
 
 
 def _run_on_model(
-    ns: argparse.Namespace, trace: list[TraceRequest], trace_config: TraceConfig,
+    ns: argparse.Namespace,
+    trace: list[TraceRequest],
+    trace_config: TraceConfig,
     max_model_len: int,
 ) -> int:
     from octavo.bench.policies_model import run_policy_on_model
     from octavo.config import EngineArgs
 
     engine_args = EngineArgs(
-        model=ns.model, dtype=ns.dtype, max_model_len=max_model_len,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        kv_cache_tokens=ns.kv_cache_tokens, block_size=ns.block_size, watermark=ns.watermark,
+        model=ns.model,
+        dtype=ns.dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_tokens=ns.kv_cache_tokens,
+        block_size=ns.block_size,
+        watermark=ns.watermark,
     )
     print("config:", json.dumps({"trace": asdict(trace_config), "engine": asdict(engine_args)}))
-    print(f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} s, replayed on the "
-          "model in wall-clock time")
+    print(
+        f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} s, replayed on the "
+        "model in wall-clock time"
+    )
     results = [run_policy_on_model(trace, policy, engine_args) for policy in ns.policies]
     print(format_table(results))
     print(json.dumps({"policies": [asdict(r) for r in results]}))

@@ -61,8 +61,13 @@ def run_policy_on_model(
         while pending and pending[0].arrival_s <= now_s:
             item = pending.popleft()
             params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
-            engine.add_request(item.request_id, item.prompt_token_ids, params, OutputKind.DELTA,
-                               start + item.arrival_s)
+            engine.add_request(
+                item.request_id,
+                item.prompt_token_ids,
+                params,
+                OutputKind.DELTA,
+                start + item.arrival_s,
+            )
             num_received[item.request_id] = 0
         if not engine.has_unfinished_requests():
             time.sleep(max(pending[0].arrival_s - now_s, 0.0))
@@ -74,9 +79,10 @@ def run_policy_on_model(
                 num_first_computed += len(output.prompt_token_ids) - output.num_cached_tokens
             num_received[output.request_id] += num_new
             num_output_tokens += num_new
-            if not output.finished and num_received[output.request_id] >= answer_lens[
-                output.request_id
-            ]:
+            if (
+                not output.finished
+                and num_received[output.request_id] >= answer_lens[output.request_id]
+            ):
                 to_end.append(output.request_id)
         engine.abort_request(to_end)
         num_steps += 1

@@ -33,8 +33,9 @@ _WORDS = (
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="`model` field (default: the first of "
-                        "/v1/models)")
+    parser.add_argument(
+        "--model", default=None, help="`model` field (default: the first of /v1/models)"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
@@ -42,8 +43,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
-    parser.add_argument("--vocab-size", type=int, default=49152,
-                        help="random token ids are drawn below this")
+    parser.add_argument(
+        "--vocab-size", type=int, default=49152, help="random token ids are drawn below this"
+    )
     parser.add_argument("--dataset-seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
 
@@ -73,12 +75,15 @@ class RequestResult:
 def make_prompts(ns: argparse.Namespace) -> list[list[int] | str]:
     rng = random.Random(ns.dataset_seed)
     if ns.prompt_format == "text":
-        return [" ".join(rng.choice(_WORDS) for _ in range(ns.input_len))
-                for _ in range(ns.num_prompts)]
+        return [
+            " ".join(rng.choice(_WORDS) for _ in range(ns.input_len)) for _ in range(ns.num_prompts)
+        ]
     # Skip the lowest ids, where tokenizers keep their special tokens.
     low = min(1000, ns.vocab_size // 2)
-    return [[rng.randrange(low, ns.vocab_size) for _ in range(ns.input_len)]
-            for _ in range(ns.num_prompts)]
+    return [
+        [rng.randrange(low, ns.vocab_size) for _ in range(ns.input_len)]
+        for _ in range(ns.num_prompts)
+    ]
 
 
 async def send_one(
@@ -128,8 +133,11 @@ async def run_load(ns: argparse.Namespace, model: str) -> tuple[list[RequestResu
 
         async def limited(prompt: list[int] | str) -> RequestResult:
             body = {
-                "model": model, "prompt": prompt, "max_tokens": ns.output_len,
-                "temperature": 0.0, "stream": True,
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": ns.output_len,
+                "temperature": 0.0,
+                "stream": True,
                 "stream_options": {"include_usage": True},
             }
             if ns.ignore_eos:
@@ -189,8 +197,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     # One log line per HTTP request would drown the report.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = ns.model or _first_model(ns)
-    config = {k: v for k, v in vars(ns).items() if k not in ("api_key", "command",
-                                                             "bench_command")}
+    config = {k: v for k, v in vars(ns).items() if k not in ("api_key", "command", "bench_command")}
     config["model"] = model
     print("config:", json.dumps(config, sort_keys=True))
     results, elapsed = asyncio.run(run_load(ns, model))
@@ -198,13 +205,23 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     errors = [r.error for r in results if not r.ok]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
-    print(f"Successful requests: {summary['completed']} / {len(results)} in "
-          f"{summary['duration_s']} s")
-    print(f"Request throughput: {summary['request_throughput']} req/s; output "
-          f"{summary['output_throughput']} tok/s; total {summary['total_token_throughput']} tok/s")
-    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"),
-                        ("max_gap", "Max gap")):
-        print(f"{label:>8} ms: mean {summary[f'mean_{name}_ms']:>9}  median "
-              f"{summary[f'median_{name}_ms']:>9}  p99 {summary[f'p99_{name}_ms']:>9}")
+    print(
+        f"Successful requests: {summary['completed']} / {len(results)} in {summary['duration_s']} s"
+    )
+    print(
+        f"Request throughput: {summary['request_throughput']} req/s; output "
+        f"{summary['output_throughput']} tok/s; total {summary['total_token_throughput']} tok/s"
+    )
+    for name, label in (
+        ("ttft", "TTFT"),
+        ("tpot", "TPOT"),
+        ("itl", "ITL"),
+        ("e2el", "E2EL"),
+        ("max_gap", "Max gap"),
+    ):
+        print(
+            f"{label:>8} ms: mean {summary[f'mean_{name}_ms']:>9}  median "
+            f"{summary[f'median_{name}_ms']:>9}  p99 {summary[f'p99_{name}_ms']:>9}"
+        )
     print(json.dumps(summary))
     return 0 if not errors else 1

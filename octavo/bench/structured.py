@@ -25,12 +25,24 @@ from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 def add_structured_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--structured-share", type=float, default=0.5,
-                        help="share of the requests that carry the JSON schema")
-    parser.add_argument("--num-schemas", type=int, default=8,
-                        help="new schemas compiled one by one to time compilation")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each batch, alternating; the best of each is reported")
+    parser.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.5,
+        help="share of the requests that carry the JSON schema",
+    )
+    parser.add_argument(
+        "--num-schemas",
+        type=int,
+        default=8,
+        help="new schemas compiled one by one to time compilation",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each batch, alternating; the best of each is reported",
+    )
 
 
 def inventory_schema(tag: int = 0) -> dict[str, Any]:
@@ -101,20 +113,25 @@ def run_structured_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
     engine = llm.llm_engine
     processor = engine.input_processor
     prompts = [
-        processor.render_chat([{"role": "user", "content": f"List the items in store {i} "
-                                                            "as JSON."}])
+        processor.render_chat(
+            [{"role": "user", "content": f"List the items in store {i} as JSON."}]
+        )
         for i in range(ns.num_prompts)
     ]
     plain = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     constrained = SamplingParams(
-        temperature=0, max_tokens=ns.output_len, ignore_eos=True,
+        temperature=0,
+        max_tokens=ns.output_len,
+        ignore_eos=True,
         structured_outputs=StructuredOutputsParams(json=inventory_schema()),
     )
     num_structured = round(ns.num_prompts * ns.structured_share)
     mixed = [constrained] * num_structured + [plain] * (ns.num_prompts - num_structured)
     print("config:", engine.config.to_json())
-    print(f"workload: {ns.num_prompts} chat prompts x {ns.output_len} output tokens, greedy, "
-          f"ignore_eos; {num_structured} of them under a JSON schema in the mixed run")
+    print(
+        f"workload: {ns.num_prompts} chat prompts x {ns.output_len} output tokens, greedy, "
+        f"ignore_eos; {num_structured} of them under a JSON schema in the mixed run"
+    )
 
     # Warm-up: the tokenizer for the grammar library, the schema's compilation, the model.
     start = time.perf_counter()
@@ -146,11 +163,15 @@ def run_structured_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
         "dtype": engine.config.dtype,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
     }
-    print(f"unconstrained: {unconstrained['output_tokens_per_s']} output tok/s; "
-          f"{num_structured}/{ns.num_prompts} structured: "
-          f"{structured['output_tokens_per_s']} output tok/s "
-          f"(x{result['throughput_ratio']}), mask fill {structured['bitmask_fill_s']} s")
-    print(f"new schema: validate {compilation['validate_ms_mean']} ms, compile "
-          f"{compilation['compile_ms_mean']} ms mean ({compilation['compile_ms_max']} ms max)")
+    print(
+        f"unconstrained: {unconstrained['output_tokens_per_s']} output tok/s; "
+        f"{num_structured}/{ns.num_prompts} structured: "
+        f"{structured['output_tokens_per_s']} output tok/s "
+        f"(x{result['throughput_ratio']}), mask fill {structured['bitmask_fill_s']} s"
+    )
+    print(
+        f"new schema: validate {compilation['validate_ms_mean']} ms, compile "
+        f"{compilation['compile_ms_mean']} ms mean ({compilation['compile_ms_max']} ms max)"
+    )
     print(json.dumps(result))
     return 0

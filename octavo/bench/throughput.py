@@ -41,8 +41,10 @@ def run_throughput(ns: argparse.Namespace, args: EngineArgs) -> int:
     )
     params = SamplingParams(temperature=1.0, max_tokens=ns.output_len, ignore_eos=True, seed=None)
     print("config:", engine.config.to_json())
-    print(f"workload: {ns.num_prompts} prompts x {ns.input_len} input + {ns.output_len} output "
-          "tokens, random token ids, ignore_eos")
+    print(
+        f"workload: {ns.num_prompts} prompts x {ns.input_len} input + {ns.output_len} output "
+        "tokens, random token ids, ignore_eos"
+    )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -63,8 +65,10 @@ def run_throughput(ns: argparse.Namespace, args: EngineArgs) -> int:
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
     }
-    print(f"Throughput: {result['requests_per_s']} requests/s, "
-          f"{result['output_tokens_per_s']} output tok/s, "
-          f"{result['total_tokens_per_s']} total tok/s ({elapsed:.1f} s)")
+    print(
+        f"Throughput: {result['requests_per_s']} requests/s, "
+        f"{result['output_tokens_per_s']} output tok/s, "
+        f"{result['total_tokens_per_s']} total tok/s ({elapsed:.1f} s)"
+    )
     print(json.dumps(result))
     return 0

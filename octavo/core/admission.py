@@ -96,7 +96,7 @@ class AdmissionPolicy(abc.ABC):
         member of `running` and mutate nothing: the scheduler does the preemption.
         """
 
-    def observe_step(self, running: list[Request], num_preempted: int) -> None:
+    def observe_step(self, running: list[Request], num_preempted: int) -> None:  # noqa: B027
         """Called once at the end of every `schedule()` with the requests left running and
         how many were preempted in that step. Policies that learn update their state here;
         must not mutate the requests."""

@@ -44,8 +44,10 @@ class StructuredOutputsParams:
         if self.choice is not None and (
             not self.choice or any(not isinstance(c, str) for c in self.choice)
         ):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
-                             f"got {self.choice!r}.")
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of strings, "
+                f"got {self.choice!r}."
+            )
 
     @property
     def kind(self) -> str:

@@ -66,7 +66,7 @@ class EngineRequest:
 class _OutputStream:
     """The asyncio side of one `generate` call: a queue the engine thread fills via the loop."""
 
-    __slots__ = ("queue", "num_unfinished")
+    __slots__ = ("num_unfinished", "queue")
 
     def __init__(self, num_requests: int) -> None:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

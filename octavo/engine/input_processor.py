@@ -41,7 +41,9 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
         self.structured_output = structured_output
 
-    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process_prompt(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return self._check_token_ids(None, list(prompt["prompt_token_ids"]))
@@ -87,10 +89,23 @@ class InputProcessor:
             raise ValueError("This model has no chat template; pass chat_template.")
         # Keys the renderer sets itself: letting kwargs override them would change what is
         # returned (tokenize) or contradict the explicit parameters.
-        fixed = {"conversation", "messages", "tools", "documents", "chat_template",
-                 "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
-                 "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
-                 "max_length", "tokenizer_kwargs"}
+        fixed = {
+            "conversation",
+            "messages",
+            "tools",
+            "documents",
+            "chat_template",
+            "add_generation_prompt",
+            "continue_final_message",
+            "tokenize",
+            "return_dict",
+            "return_tensors",
+            "return_assistant_tokens_mask",
+            "padding",
+            "truncation",
+            "max_length",
+            "tokenizer_kwargs",
+        }
         clash = sorted(fixed.intersection(chat_template_kwargs or {}))
         if clash:
             raise ValueError(

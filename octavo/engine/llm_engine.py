@@ -82,8 +82,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         # Imported here so that `octavo.engine` stays importable without loading a model.
-        from octavo.worker.setup import load_engine_parts
         from octavo.engine.tokenizer import load_tokenizer
+        from octavo.worker.setup import load_engine_parts
 
         parts = load_engine_parts(args)
         tokenizer = load_tokenizer(parts.model_path, parts.config.chat_template)
@@ -161,7 +161,11 @@ class LLMEngine:
         )
         for (child_id, child_params), grammar in zip(children, grammars):
             request = Request(
-                child_id, processed.prompt_token_ids, child_params, max_tokens, arrival_time,
+                child_id,
+                processed.prompt_token_ids,
+                child_params,
+                max_tokens,
+                arrival_time,
                 grammar,
             )
             self.scheduler.add_request(request)
@@ -236,9 +240,7 @@ class LLMEngine:
         # Stopped by a stop string: the scheduler saw an abort, the caller sees "stop".
         for request_id in stopped_req_ids:
             tracker.record_finished(request_id, "stop", now)
-        iteration_stats = tracker.take_iteration_stats(
-            scheduler_output.total_num_scheduled_tokens
-        )
+        iteration_stats = tracker.take_iteration_stats(scheduler_output.total_num_scheduled_tokens)
         if not self.stat_loggers:
             return
         scheduler_stats = self.scheduler.make_stats()

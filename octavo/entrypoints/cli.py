@@ -13,45 +13,77 @@ from octavo.config import ADMISSION_POLICIES, DTYPES, PREEMPT_VICTIMS, EngineArg
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default=defaults.dtype,
-                       choices=list(DTYPES))
-    group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
-                       choices=list(DTYPES),
-                       help="dtype of the KV cache (auto: the compute dtype); bfloat16 with "
-                            "float32 compute halves each token's bytes")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
+    group.add_argument(
+        "--kv-cache-dtype",
+        default=defaults.kv_cache_dtype,
+        choices=list(DTYPES),
+        help="dtype of the KV cache (auto: the compute dtype); bfloat16 with "
+        "float32 compute halves each token's bytes",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument(
-        "--long-prefill-token-threshold", type=int, default=None,
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
         help="at most this many prompt tokens of one request per step (0: no cap; default: "
         "256 on a CPU, no cap elsewhere)",
     )
     group.add_argument("--kv-cache-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=defaults.block_size,
-                       help="tokens per KV cache block (default: 128 on a CPU, 16 elsewhere)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=defaults.enable_prefix_caching)
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=defaults.block_size,
+        help="tokens per KV cache block (default: 128 on a CPU, 16 elsewhere)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
+    )
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument("--device", default=defaults.device)
-    group.add_argument("--admission", default=defaults.admission, choices=list(ADMISSION_POLICIES),
-                       help="what must be free before a request starts: current (vLLM: the next "
-                            "chunk), reserve (TGI: prompt + max_tokens, never evicts), ratio "
-                            "(SGLang: an adaptive share of max_tokens)")
-    group.add_argument("--watermark", type=float, default=defaults.watermark,
-                       help="share of the KV pool kept free when a request is admitted")
-    group.add_argument("--preempt-victim", default=defaults.preempt_victim,
-                       choices=list(PREEMPT_VICTIMS),
-                       help="whom to evict when a block is missing (default: the policy's)")
-    group.add_argument("--request-log", default=defaults.request_log, metavar="PATH",
-                       help="append one JSON line per finished request (lengths, finish "
-                            "reason, TTFT, largest token gap, evictions) to PATH")
-    group.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
-                       help="Jinja chat template (a file, or the template text) that replaces "
-                            "the model's own")
+    group.add_argument(
+        "--admission",
+        default=defaults.admission,
+        choices=list(ADMISSION_POLICIES),
+        help="what must be free before a request starts: current (vLLM: the next "
+        "chunk), reserve (TGI: prompt + max_tokens, never evicts), ratio "
+        "(SGLang: an adaptive share of max_tokens)",
+    )
+    group.add_argument(
+        "--watermark",
+        type=float,
+        default=defaults.watermark,
+        help="share of the KV pool kept free when a request is admitted",
+    )
+    group.add_argument(
+        "--preempt-victim",
+        default=defaults.preempt_victim,
+        choices=list(PREEMPT_VICTIMS),
+        help="whom to evict when a block is missing (default: the policy's)",
+    )
+    group.add_argument(
+        "--request-log",
+        default=defaults.request_log,
+        metavar="PATH",
+        help="append one JSON line per finished request (lengths, finish "
+        "reason, TTFT, largest token gap, evictions) to PATH",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH_OR_TEMPLATE",
+        help="Jinja chat template (a file, or the template text) that replaces the model's own",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -78,25 +110,46 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model to serve (same as --model)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model to serve (same as --model)",
+    )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--served-model-name", default=None,
-                       help="the name clients use in `model` (default: from the model)")
-    group.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on every path but /health")
-    group.add_argument("--allowed-origins", default=None,
-                       help='CORS origins, a JSON list or comma-separated (e.g. \'["*"]\'); '
-                            "CORS is off by default")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients use in `model` (default: from the model)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every path but /health",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="CORS origins, a JSON list or comma-separated (e.g. '[\"*\"]'); "
+        "CORS is off by default",
+    )
     # Checked by ServerConfig (importing the parser registry here would load the server).
-    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="how tool calls are read from the model's text (hermes: "
-                            "<tool_call>{json}</tool_call>, Hermes and Qwen models)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='allow tool_choice "auto" (the default when a request has tools); '
-                            "needs --tool-call-parser")
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are read from the model's text (hermes: "
+        "<tool_call>{json}</tool_call>, Hermes and Qwen models)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the default when a request has tools); '
+        "needs --tool-call-parser",
+    )
 
 
 def server_config_from(ns: argparse.Namespace):
@@ -109,9 +162,14 @@ def server_config_from(ns: argparse.Namespace):
         text = ns.allowed_origins.strip()
         values = json.loads(text) if text.startswith("[") else text.split(",")
         origins = tuple(str(v).strip() for v in values if str(v).strip())
-    return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key, allowed_origins=origins,
-                        tool_call_parser=ns.tool_call_parser,
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice)
+    return ServerConfig(
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        allowed_origins=origins,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -219,25 +277,43 @@ def make_parser() -> argparse.ArgumentParser:
 def add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="GGUF", help="the .gguf file to convert")
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write (created if missing)")
-    parser.add_argument("--dtype", default="bfloat16",
-                        choices=["bfloat16", "float16", "float32"],
-                        help="dtype of the written weights (default: bfloat16)")
-    parser.add_argument("--format", dest="fmt", default="hf", choices=["hf", "gguf"],
-                        help="hf: config.json + model.safetensors + tokenizer files; "
-                             "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the written weights (default: bfloat16)",
+    )
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        default="hf",
+        choices=["hf", "gguf"],
+        help="hf: config.json + model.safetensors + tokenizer files; "
+        "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)",
+    )
 
 
 def convert_command(ns: argparse.Namespace) -> list[str]:
     """The converter runs as its own program: the CLI does not import model code (DESIGN.md's
     dependency direction), and a conversion shares nothing with a running engine."""
-    return [sys.executable, "-m", "octavo.model.convert", ns.gguf, ns.out_dir,
-            "--dtype", ns.dtype, "--format", ns.fmt]
+    return [
+        sys.executable,
+        "-m",
+        "octavo.model.convert",
+        ns.gguf,
+        ns.out_dir,
+        "--dtype",
+        ns.dtype,
+        "--format",
+        ns.fmt,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = make_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:

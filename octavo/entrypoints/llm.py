@@ -1,8 +1,8 @@
 """LLM: the offline API, with vLLM's names (`generate`, `chat`), over one LLMEngine.
 
-    from octavo import LLM, SamplingParams
-    llm = LLM()                      # the embedded default model
-    llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+from octavo import LLM, SamplingParams
+llm = LLM()                      # the embedded default model
+llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations
@@ -166,8 +166,12 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         start = time.perf_counter()
         num_output_tokens = 0
         try:

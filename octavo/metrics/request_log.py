@@ -42,7 +42,7 @@ class RequestLogWriter:
 
     def __init__(self, path: str) -> None:
         try:
-            self._file: TextIO = open(path, "a", buffering=1, encoding="utf-8")
+            self._file: TextIO = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         except OSError as exc:
             raise ValueError(f"request_log={path!r} cannot be opened for appending: {exc}") from exc
         self.path = path

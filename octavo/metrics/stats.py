@@ -84,5 +84,4 @@ class StatLogger(Protocol):
     """Anything the engine hands each step's stats to, on the engine thread: cheap, and
     never raising into the step."""
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        ...
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...

@@ -61,9 +61,16 @@ class ModelConfig:
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -240,7 +247,10 @@ def _max_positions(config: Mapping[str, Any]) -> int:
     if windowed and window is not None and window < max_positions:
         logger.warning(
             "sliding_window=%d < max_position_embeddings=%d: capping the context at %d, below "
-            "which full attention is exact.", window, max_positions, window,
+            "which full attention is exact.",
+            window,
+            max_positions,
+            window,
         )
         return int(window)
     return max_positions

@@ -57,8 +57,9 @@ _GGUF_TYPES = {
 }
 
 
-def convert_gguf(source: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
-                 fmt: str = "hf") -> Path:
+def convert_gguf(
+    source: str | Path, out_dir: str | Path, dtype: str = "bfloat16", fmt: str = "hf"
+) -> Path:
     """Convert the GGUF file `source` into `out_dir` (created if missing; files of the same
     names are overwritten). Returns the folder for `fmt="hf"`, the written `model.gguf` for
     `fmt="gguf"`. Raises ValueError for an unknown dtype or format and ModelLoadError for a
@@ -78,8 +79,13 @@ def convert_gguf(source: str | Path, out_dir: str | Path, dtype: str = "bfloat16
     return out
 
 
-def write_hf_folder(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], tokenizer: Any,
-                    out: Path, dtype: str) -> None:
+def write_hf_folder(
+    config: ModelConfig,
+    weights: Iterable[tuple[str, Tensor]],
+    tokenizer: Any,
+    out: Path,
+    dtype: str,
+) -> None:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer files of
     one model into the existing folder `out`. `weights` are HF-named tensors in HF layout (what
     the loaders yield); each is cast to `dtype` as it arrives, so memory holds one copy."""
@@ -201,7 +207,8 @@ def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
     for field in reader.fields.values():
         # GGUF.* are the reader's view of the header; the writer adds architecture itself.
         if field.name.startswith("GGUF.") or field.name in (
-            "general.architecture", "general.file_type"
+            "general.architecture",
+            "general.file_type",
         ):
             continue
         value_type = field.types[0]
@@ -233,11 +240,20 @@ def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
 def add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="GGUF", help="the .gguf file to convert")
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write (created if missing)")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                        help="dtype of the written weights (default: bfloat16)")
-    parser.add_argument("--format", dest="fmt", default="hf", choices=list(FORMATS),
-                        help="hf: config.json + model.safetensors + tokenizer files; "
-                             "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=list(DTYPES),
+        help="dtype of the written weights (default: bfloat16)",
+    )
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        default="hf",
+        choices=list(FORMATS),
+        help="hf: config.json + model.safetensors + tokenizer files; "
+        "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,16 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_convert_args(parser)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+    )
     start_s = time.perf_counter()
     try:
         written = convert_gguf(ns.gguf, ns.out_dir, ns.dtype, ns.fmt)
     except (ValueError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logger.info("wrote %s (%s, %s) in %.1f s", written, ns.fmt, ns.dtype,
-                time.perf_counter() - start_s)
+    logger.info(
+        "wrote %s (%s, %s) in %.1f s", written, ns.fmt, ns.dtype, time.perf_counter() - start_s
+    )
     print(written)
     return 0
 

@@ -18,7 +18,10 @@ from octavo.model.config import ModelConfig
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[Tensor]:
     """num_hidden_layers zero-filled tensors of (2, num_blocks, block_size, num_kv_heads,

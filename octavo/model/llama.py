@@ -49,7 +49,11 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, hidden_states: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+        self,
+        hidden_states: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
         num_tokens = hidden_states.shape[0]
@@ -83,8 +87,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden_states: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
-        kv_cache: Tensor, attn_metadata: AttentionMetadata, rows: Tensor | None = None,
+        self,
+        hidden_states: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        attn_metadata: AttentionMetadata,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (this layer's output, residual stream before it): the residual add is left
         to the next norm, which fuses it (the first layer gets residual=None). With `rows`
@@ -116,12 +126,21 @@ class LlamaDecoderLayer(nn.Module):
         ):
             return None
         return (
-            norms[0].weight, norms[1].weight, norms[0].eps,
-            attn.qkv_proj.packed_weight, attn.qkv_proj.bias,
-            attn.o_proj.packed_weight, attn.o_proj.bias,
-            mlp.gate_up_proj.packed_weight, mlp.gate_up_proj.bias,
-            mlp.down_proj.packed_weight, mlp.down_proj.bias,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features,
+            norms[0].weight,
+            norms[1].weight,
+            norms[0].eps,
+            attn.qkv_proj.packed_weight,
+            attn.qkv_proj.bias,
+            attn.o_proj.packed_weight,
+            attn.o_proj.bias,
+            mlp.gate_up_proj.packed_weight,
+            mlp.gate_up_proj.bias,
+            mlp.down_proj.packed_weight,
+            mlp.down_proj.bias,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            mlp.down_proj.in_features,
             attn.attn.scale,
         )
 
@@ -141,8 +160,12 @@ class LlamaModel(nn.Module):
         self._decode_layer_args_known = False
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata, output_rows: Tensor | None = None,
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+        output_rows: Tensor | None = None,
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         # One cos/sin for all layers: (num_tokens, head_dim) each.
@@ -154,8 +177,15 @@ class LlamaModel(nn.Module):
             residual = torch.zeros_like(hidden_states)
             for args, kv_cache in zip(self._decode_layer_args, kv_caches, strict=True):
                 hidden_states = kernels.decode_layer(
-                    hidden_states, residual, args, cos, sin, kv_cache,
-                    attn_metadata.slot_mapping, decode.block_table, decode.seq_lens,
+                    hidden_states,
+                    residual,
+                    args,
+                    cos,
+                    sin,
+                    kv_cache,
+                    attn_metadata.slot_mapping,
+                    decode.block_table,
+                    decode.seq_lens,
                 )
             if output_rows is not None:
                 hidden_states, residual = hidden_states[output_rows], residual[output_rows]
@@ -166,7 +196,12 @@ class LlamaModel(nn.Module):
             last = len(self.layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden_states, residual = layer(
-                    hidden_states, residual, cos, sin, kv_cache, attn_metadata,
+                    hidden_states,
+                    residual,
+                    cos,
+                    sin,
+                    kv_cache,
+                    attn_metadata,
                     output_rows if i == last else None,
                 )
         hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
@@ -214,8 +249,12 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata, output_rows: Tensor | None = None,
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+        output_rows: Tensor | None = None,
     ) -> Tensor:
         """input_ids, positions: (num_tokens,) int64, all scheduled tokens of all requests, flat,
         no padding; kv_caches: one tensor per layer (see kv_cache.py), written at

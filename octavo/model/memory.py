@@ -50,7 +50,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 
 def empty_many(
-    specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str = "cpu",
+    specs: list[tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device | str = "cpu",
     align: int = 64,
 ) -> list[Tensor]:
     """Uninitialised contiguous tensors of the given (shape, dtype)s laid one after another (each

@@ -103,9 +103,17 @@ class InputBatch:
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         for array in (
-            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
-            self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
-            self.frequency_penalty, self.repetition_penalty,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
         ):
             array[dst] = array[src]
         self.rows[dst] = self.rows[src]

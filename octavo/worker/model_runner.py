@@ -82,7 +82,10 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_caches,
+            inputs.attn_metadata,
             inputs.logits_indices,
         )
         logits = self.model.compute_logits(hidden_states)
@@ -258,7 +261,9 @@ class ModelRunner:
         if sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
             logprobs_lists = (
-                lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
+                lp.token_ids.tolist(),
+                lp.logprobs.tolist(),
+                lp.sampled_ranks.tolist(),
             )
         sampled_by_row: dict[int, int] = {}
         logprobs_by_row: dict[int, TokenLogprobs] = {}

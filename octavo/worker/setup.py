@@ -73,9 +73,9 @@ def load_engine_parts(args: EngineArgs) -> LoadedModel:
     torch.manual_seed(args.seed)
     model, model_config = load_model(model_path, dtype, device)
 
-    kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(
-        args.kv_cache_dtype, device
-    )[0]
+    kv_cache_dtype = (
+        dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device)[0]
+    )
     bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
     block_size = args.block_size or (DEFAULT_CPU_BLOCK_SIZE if device.type == "cpu" else 16)
     num_blocks = _num_kv_blocks(args, block_size, bytes_per_token, device)
@@ -130,7 +130,10 @@ def _long_prefill_token_threshold(args: EngineArgs, device: torch.device) -> int
 
 
 def _num_kv_blocks(
-    args: EngineArgs, block_size: int, bytes_per_token: int, device: torch.device,
+    args: EngineArgs,
+    block_size: int,
+    bytes_per_token: int,
+    device: torch.device,
 ) -> int:
     block_bytes = bytes_per_token * block_size
     if args.kv_cache_tokens is not None:

@@ -95,9 +95,13 @@ def test_make_admission_policy_from_config() -> None:
 
 @pytest.mark.parametrize(
     "policy,admitted",
-    [(CurrentPolicy(), ["0", "1", "2", "3"]), (RatioPolicy(), ["0", "1", "2"]),
-     (ReservePolicy(), ["0", "1"]), (RatioPolicy(watermark=0.1), ["0", "1"]),
-     (ReservePolicy(watermark=0.35), ["0"])],
+    [
+        (CurrentPolicy(), ["0", "1", "2", "3"]),
+        (RatioPolicy(), ["0", "1", "2"]),
+        (ReservePolicy(), ["0", "1"]),
+        (RatioPolicy(watermark=0.1), ["0", "1"]),
+        (ReservePolicy(watermark=0.35), ["0"]),
+    ],
     ids=["current", "ratio", "reserve", "ratio-watermark", "reserve-watermark"],
 )
 def test_policies_admit_differently_from_one_queue(policy, admitted) -> None:
@@ -206,10 +210,14 @@ def _run_mixed_workload(scheduler: Scheduler, seed: int) -> tuple[int, set[str]]
 def test_reserve_never_evicts_where_current_does(seed: int) -> None:
     everyone = {f"r{i}" for i in range(16)}
     results = {}
-    for name, policy in (("current", CurrentPolicy()), ("reserve", ReservePolicy()),
-                         ("ratio", RatioPolicy())):
-        scheduler = create_scheduler(num_blocks=12, max_num_seqs=8, max_num_batched_tokens=16,
-                                     policy=policy)
+    for name, policy in (
+        ("current", CurrentPolicy()),
+        ("reserve", ReservePolicy()),
+        ("ratio", RatioPolicy()),
+    ):
+        scheduler = create_scheduler(
+            num_blocks=12, max_num_seqs=8, max_num_batched_tokens=16, policy=policy
+        )
         results[name] = _run_mixed_workload(scheduler, seed)
         assert results[name][1] == everyone, name
         assert_all_free(scheduler)

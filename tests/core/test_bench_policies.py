@@ -69,8 +69,24 @@ def test_executor_counts_prefill_decodes_and_redone_tokens() -> None:
 
 
 def test_cli_prints_a_row_per_policy_and_a_json_line(capsys) -> None:
-    assert main(["bench", "policies", "--num-requests", "12", "--kv-cache-tokens", "4096",
-                 "--max-tokens", "1024", "--policies", "current", "reserve"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "policies",
+                "--num-requests",
+                "12",
+                "--kv-cache-tokens",
+                "4096",
+                "--max-tokens",
+                "1024",
+                "--policies",
+                "current",
+                "reserve",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("config: ")
     assert [line.split()[0] for line in out[3:5]] == ["current", "reserve"]

@@ -26,7 +26,6 @@ from .utils import (
     step,
 )
 
-
 # --- budget, chunks, admission ----------------------------------------------------------------
 
 

@@ -43,8 +43,9 @@ class FakeGrammar:
         return self.rejected or len(self.fed) >= self.length
 
 
-def structured_request(request_id: str, prompt: list[int], grammar: FakeGrammar,
-                       max_tokens: int = 16, **params: object) -> Request:
+def structured_request(
+    request_id: str, prompt: list[int], grammar: FakeGrammar, max_tokens: int = 16, **params: object
+) -> Request:
     request = make_request(request_id, prompt, max_tokens, **params)
     request.grammar = grammar
     return request

@@ -26,7 +26,9 @@ def create_scheduler(
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, max_model_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         CacheConfig(block_size, num_blocks, enable_prefix_caching),

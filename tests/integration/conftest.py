@@ -34,8 +34,9 @@ def make_llm():
     the CPU default is 128)."""
 
     def make(**overrides) -> LLM:
-        settings = dict(dtype="float32", max_model_len=512, kv_cache_tokens=8192, block_size=16,
-                        seed=0)
+        settings = dict(
+            dtype="float32", max_model_len=512, kv_cache_tokens=8192, block_size=16, seed=0
+        )
         settings.update(overrides)
         return LLM(**settings)
 
@@ -45,4 +46,3 @@ def make_llm():
 @pytest.fixture(scope="session")
 def llm(make_llm) -> LLM:
     return make_llm()
-

@@ -19,8 +19,9 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-toke
 
 
 def test_generate_prints_the_greedy_completion(capsys, llm) -> None:
-    expected = llm.generate(["The capital of France is"],
-                            SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    expected = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
     assert main(["generate", "The capital of France is", "--max-tokens", "12", *ENGINE_FLAGS]) == 0
     assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
 
@@ -43,23 +44,46 @@ def test_bad_settings_exit_with_a_clear_error(capsys) -> None:
 
 
 def test_bench_throughput_ends_with_a_json_line(capsys) -> None:
-    code = main(["bench", "throughput", "--input-len", "16", "--output-len", "4",
-                 "--num-prompts", "4", *ENGINE_FLAGS])
+    code = main(
+        [
+            "bench",
+            "throughput",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--num-prompts",
+            "4",
+            *ENGINE_FLAGS,
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 4 and result["output_tokens_per_s"] > 0
 
 
 def test_bench_decode_times_every_batch_size(capsys) -> None:
-    code = main(["bench", "decode", "--batch-sizes", "1,3", "--context-len", "20",
-                 "--steps", "2", *ENGINE_FLAGS])
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--batch-sizes",
+            "1,3",
+            "--context-len",
+            "20",
+            "--steps",
+            "2",
+            *ENGINE_FLAGS,
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch_size"] for r in result["results"]] == [1, 3]
     for row in result["results"]:
         assert 0 < row["step_ms_min"] <= row["step_ms_median"]
         assert row["decode_tokens_per_s"] == pytest.approx(
-            row["batch_size"] * 1e3 / row["step_ms_median"], rel=1e-3, abs=0.1)
+            row["batch_size"] * 1e3 / row["step_ms_median"], rel=1e-3, abs=0.1
+        )
 
 
 def test_bench_decode_rejects_bad_batch_sizes(capsys) -> None:

@@ -10,6 +10,7 @@ import torch
 from octavo import SamplingParams
 from octavo.core.request import RequestStatus
 from octavo.engine.output_processor import OutputKind
+
 from .utils import assert_no_leak
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,8 @@ def test_abort_in_every_state_frees_blocks(make_llm) -> None:
     # Running and preempted: r1 and r2 decode until the 10-block pool runs out.
     finished += _step_until(engine, lambda: engine.make_stats().num_preemptions > 0)
     preempted = [
-        rid for rid in ("r1", "r2")
+        rid
+        for rid in ("r1", "r2")
         if scheduler.get_request(rid) is not None
         and scheduler.get_request(rid).status == RequestStatus.PREEMPTED
     ]
@@ -70,10 +72,15 @@ def test_a_small_temperature_samples_the_greedy_answer(llm) -> None:
     or 1): at 0.001 a lead of 0.01 nats becomes 10, so seeded rows sample the greedy answer of
     the row beside them, where temperature 1 would not."""
     prompt = "Write a short poem about the sea."
-    cold = [SamplingParams(temperature=0.001, seed=seed, max_tokens=16, ignore_eos=True)
-            for seed in range(3)]
-    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), *cold,
-              SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True)]
+    cold = [
+        SamplingParams(temperature=0.001, seed=seed, max_tokens=16, ignore_eos=True)
+        for seed in range(3)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        *cold,
+        SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True),
+    ]
     outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
     greedy, warm = outputs[0].outputs[0].token_ids, outputs[-1].outputs[0].token_ids
     assert all(o.outputs[0].token_ids == greedy for o in outputs[1:-1])
@@ -101,7 +108,8 @@ def test_stop_string_is_excluded_even_across_tokens(llm) -> None:
     # A stop string that starts inside one token and ends inside a later one.
     stop = text[3:9]
     stopped = llm.generate(
-        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+        ["The capital of France is"],
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
         use_tqdm=False,
     )[0].outputs[0]
     assert stopped.text == text[: text.index(stop)]
@@ -117,12 +125,14 @@ def test_eos_min_tokens_and_ignore_eos(llm) -> None:
     n = len(done.token_ids)
     eos_ids = llm.llm_engine.input_processor.eos_token_ids
     assert done.token_ids[-1] in eos_ids
-    longer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=200, min_tokens=n + 5),
-                      use_tqdm=False)[0].outputs[0]
+    longer = llm.chat(
+        chat, SamplingParams(temperature=0.0, max_tokens=200, min_tokens=n + 5), use_tqdm=False
+    )[0].outputs[0]
     assert len(longer.token_ids) >= n + 5
     assert not set(longer.token_ids[: n + 5]) & set(eos_ids)
-    ignored = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=n + 10, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    ignored = llm.chat(
+        chat, SamplingParams(temperature=0.0, max_tokens=n + 10, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(ignored.token_ids) == n + 10 and ignored.finish_reason == "length"
     assert_no_leak(llm)
 
@@ -130,16 +140,19 @@ def test_eos_min_tokens_and_ignore_eos(llm) -> None:
 def test_stop_token_ids_and_max_model_len(make_llm, llm) -> None:
     out = llm.generate(["Count: 1, 2, 3,"], GREEDY, use_tqdm=False)[0].outputs[0]
     stop_id = out.token_ids[3]
-    stopped = llm.generate(["Count: 1, 2, 3,"],
-                           SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        ["Count: 1, 2, 3,"],
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stopped.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
 
     short = make_llm(max_model_len=32)
     prompt = list(range(1000, 1020))
-    capped = short.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None,
-                                                     ignore_eos=True), use_tqdm=False)[0]
+    capped = short.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(capped.outputs[0].token_ids) == 12 and capped.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="max_model_len"):
         short.generate([prompt], SamplingParams(max_tokens=13), use_tqdm=False)
@@ -163,8 +176,9 @@ def test_invalid_requests_are_rejected_before_admission(llm) -> None:
 
 def test_multibyte_text_is_never_broken(llm) -> None:
     prompt = "Translate to Japanese and add emoji: I love the sea. 🌊 海が"
-    outputs = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=48),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=48), use_tqdm=False
+    )
     completion = outputs[0].outputs[0]
     tokenizer = llm.get_tokenizer()
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -172,9 +186,11 @@ def test_multibyte_text_is_never_broken(llm) -> None:
 
 
 def test_logprobs(llm) -> None:
-    out = llm.generate(["The capital of France is"],
-                       SamplingParams(temperature=0.0, max_tokens=6, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["The capital of France is"],
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     total = 0.0
     for token_id, position in zip(out.token_ids, out.logprobs):
@@ -203,8 +219,9 @@ def test_prompts_run_in_256_token_chunks_on_a_cpu_unless_set(make_llm, llm, monk
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
     prompt = list(range(100, 550))  # 450 tokens: chunks of 256 and 194
-    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=2),
-                       OutputKind.FINAL_ONLY)
+    engine.add_request(
+        "long", prompt, SamplingParams(temperature=0.0, max_tokens=2), OutputKind.FINAL_ONLY
+    )
     while engine.has_unfinished_requests():
         engine.step()
     assert chunks == [256, 194, 1]
@@ -218,12 +235,14 @@ def test_16_bit_kv_cache_holds_twice_the_tokens_and_decodes(make_llm, llm, kv_ca
     read) through gathered blocks. Greedy text stays that of the float32 cache here."""
     memory = 64 * llm.llm_engine.config.cache.bytes_per_token * 16
     wide = make_llm(kv_cache_tokens=None, kv_cache_memory_bytes=memory)
-    narrow = make_llm(kv_cache_tokens=None, kv_cache_memory_bytes=memory,
-                      kv_cache_dtype=kv_cache_dtype)
+    narrow = make_llm(
+        kv_cache_tokens=None, kv_cache_memory_bytes=memory, kv_cache_dtype=kv_cache_dtype
+    )
     assert narrow.llm_engine.config.cache.dtype == kv_cache_dtype
     assert wide.llm_engine.config.cache.dtype == "float32"
     assert 2 * narrow.llm_engine.config.cache.bytes_per_token == (
-        wide.llm_engine.config.cache.bytes_per_token)
+        wide.llm_engine.config.cache.bytes_per_token
+    )
     assert narrow.llm_engine.config.cache.num_blocks == 2 * wide.llm_engine.config.cache.num_blocks
     assert narrow.llm_engine.model_runner.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
     prompts = ["The capital of France is", "def fibonacci(n):"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from octavo import SamplingParams
+
 from .utils import assert_no_leak
 
 pytestmark = pytest.mark.slow
@@ -63,8 +64,9 @@ def test_default_cpu_blocks_of_128_tokens(make_llm, reference) -> None:
     default = make_llm(block_size=None)
     assert default.llm_engine.config.cache.block_size == 128
     long_prompt = " ".join(OTHERS) * 2  # over 128 tokens
-    first, again = (default.generate([long_prompt, PROMPT], GREEDY, use_tqdm=False)
-                    for _ in range(2))
+    first, again = (
+        default.generate([long_prompt, PROMPT], GREEDY, use_tqdm=False) for _ in range(2)
+    )
     assert _tokens(first)[1] == reference
     assert _tokens(again) == _tokens(first)
     assert first[0].num_cached_tokens == 0

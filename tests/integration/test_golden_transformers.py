@@ -39,15 +39,20 @@ def _hf_greedy(model, token_ids: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             next_id = int(out.logits[0, -1].argmax())
             generated.append(next_id)
-            out = model(input_ids=torch.tensor([[next_id]]), past_key_values=out.past_key_values,
-                        use_cache=True)
+            out = model(
+                input_ids=torch.tensor([[next_id]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
     return generated
 
 
 def test_greedy_tokens_match_transformers(llm, hf_model) -> None:
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(p, add_special_tokens=False) if p.startswith("<|") else
-               tokenizer.encode(p) for p in PROMPTS]
+    prompts = [
+        tokenizer.encode(p, add_special_tokens=False) if p.startswith("<|") else tokenizer.encode(p)
+        for p in PROMPTS
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     theirs = [_hf_greedy(hf_model, p, NUM_TOKENS) for p in prompts]

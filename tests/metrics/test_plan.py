@@ -11,8 +11,15 @@ from octavo.entrypoints.cli import main
 
 
 def record(prompt: int, completion: int, reason: str = "stop") -> str:
-    return json.dumps({"prompt_tokens": prompt, "completion_tokens": completion,
-                       "max_tokens": 4096, "finish_reason": reason, "evictions": 0})
+    return json.dumps(
+        {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "max_tokens": 4096,
+            "finish_reason": reason,
+            "evictions": 0,
+        }
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:

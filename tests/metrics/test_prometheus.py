@@ -46,10 +46,18 @@ EXPECTED_TYPES = {
 
 def finished(request_id: str, reason: str, num_generation_tokens: int, **overrides):
     values = dict(
-        request_id=request_id, finish_reason=reason, num_prompt_tokens=10,
-        num_generation_tokens=num_generation_tokens, max_tokens=16, e2e_latency_s=2.0,
-        queue_time_s=0.5, ttft_s=1.0, prefill_time_s=0.5, decode_time_s=1.0,
-        max_token_gap_s=0.75, num_evictions=0,
+        request_id=request_id,
+        finish_reason=reason,
+        num_prompt_tokens=10,
+        num_generation_tokens=num_generation_tokens,
+        max_tokens=16,
+        e2e_latency_s=2.0,
+        queue_time_s=0.5,
+        ttft_s=1.0,
+        prefill_time_s=0.5,
+        decode_time_s=1.0,
+        max_token_gap_s=0.75,
+        num_evictions=0,
     )
     values.update(overrides)
     return FinishedRequestStats(**values)
@@ -57,9 +65,7 @@ def finished(request_id: str, reason: str, num_generation_tokens: int, **overrid
 
 def test_every_metric_has_vllm_type_and_labels() -> None:
     text = PrometheusStatLogger("m").render().decode()
-    types = dict(
-        line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE")
-    )
+    types = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
     for name, kind in EXPECTED_TYPES.items():
         assert types.get(name) == kind, name
     for reason in ("stop", "length", "abort"):
@@ -70,16 +76,33 @@ def test_every_metric_has_vllm_type_and_labels() -> None:
 def test_record_turns_stats_into_increments() -> None:
     logger = PrometheusStatLogger("m", max_model_len=100, max_num_batched_tokens=64)
     value = logger.registry.get_sample_value
-    logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
-                                 num_preemptions=2, prefix_cache_queries=40,
-                                 prefix_cache_hits=16))
     logger.record(
-        SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, num_preemptions=3,
-                       prefix_cache_queries=50, prefix_cache_hits=16),
+        SchedulerStats(
+            num_running_reqs=3,
+            num_waiting_reqs=2,
+            kv_cache_usage=0.25,
+            num_preemptions=2,
+            prefix_cache_queries=40,
+            prefix_cache_hits=16,
+        )
+    )
+    logger.record(
+        SchedulerStats(
+            num_running_reqs=1,
+            kv_cache_usage=0.5,
+            num_preemptions=3,
+            prefix_cache_queries=50,
+            prefix_cache_hits=16,
+        ),
         IterationStats(
-            num_scheduled_tokens=12, num_prompt_tokens=10, num_generation_tokens=2,
-            num_preemptions=1, num_newly_evicted_reqs=1, time_to_first_tokens_s=[1.0],
-            inter_token_latencies_s=[0.02, 3.0], eviction_freezes_s=[3.0],
+            num_scheduled_tokens=12,
+            num_prompt_tokens=10,
+            num_generation_tokens=2,
+            num_preemptions=1,
+            num_newly_evicted_reqs=1,
+            time_to_first_tokens_s=[1.0],
+            inter_token_latencies_s=[0.02, 3.0],
+            eviction_freezes_s=[3.0],
             finished_requests=[
                 finished("a", "stop", 5, num_evictions=1, eviction_freezes_s=(3.0,)),
                 finished("b", "abort", 0, ttft_s=None),
@@ -126,21 +149,43 @@ def test_buckets() -> None:
 def test_request_log_lines(tmp_path) -> None:
     path = tmp_path / "requests.jsonl"
     writer = RequestLogWriter(str(path))
-    iteration = IterationStats(finished_requests=[
-        finished("a", "stop", 5, num_evictions=2, eviction_freezes_s=(3.0, 1.0 / 3.0)),
-        finished("b", "abort", 0, ttft_s=None, max_token_gap_s=0.0),
-    ])
+    iteration = IterationStats(
+        finished_requests=[
+            finished("a", "stop", 5, num_evictions=2, eviction_freezes_s=(3.0, 1.0 / 3.0)),
+            finished("b", "abort", 0, ttft_s=None, max_token_gap_s=0.0),
+        ]
+    )
     writer.record(SchedulerStats(), iteration)
     writer.record(SchedulerStats(), IterationStats())
     writer.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [
-        {"request_id": "a", "prompt_tokens": 10, "completion_tokens": 5, "max_tokens": 16,
-         "finish_reason": "stop", "ttft_s": 1.0, "max_token_gap_s": 0.75, "evictions": 2,
-         "eviction_freezes_s": [3.0, 0.333333], "queue_time_s": 0.5, "e2e_latency_s": 2.0},
-        {"request_id": "b", "prompt_tokens": 10, "completion_tokens": 0, "max_tokens": 16,
-         "finish_reason": "abort", "ttft_s": None, "max_token_gap_s": 0.0, "evictions": 0,
-         "eviction_freezes_s": [], "queue_time_s": 0.5, "e2e_latency_s": 2.0},
+        {
+            "request_id": "a",
+            "prompt_tokens": 10,
+            "completion_tokens": 5,
+            "max_tokens": 16,
+            "finish_reason": "stop",
+            "ttft_s": 1.0,
+            "max_token_gap_s": 0.75,
+            "evictions": 2,
+            "eviction_freezes_s": [3.0, 0.333333],
+            "queue_time_s": 0.5,
+            "e2e_latency_s": 2.0,
+        },
+        {
+            "request_id": "b",
+            "prompt_tokens": 10,
+            "completion_tokens": 0,
+            "max_tokens": 16,
+            "finish_reason": "abort",
+            "ttft_s": None,
+            "max_token_gap_s": 0.0,
+            "evictions": 0,
+            "eviction_freezes_s": [],
+            "queue_time_s": 0.5,
+            "e2e_latency_s": 2.0,
+        },
     ]
     with pytest.raises(ValueError, match="request_log="):
         RequestLogWriter(str(tmp_path / "missing-dir" / "x.jsonl"))

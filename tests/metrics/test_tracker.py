@@ -98,7 +98,11 @@ def test_two_evictions_before_a_token_and_a_request_without_tokens() -> None:
     assert iteration.eviction_freezes_s == [4.0, 3.0]
     a, w = iteration.finished_requests
     assert (a.num_evictions, a.eviction_freezes_s, a.ttft_s, a.max_token_gap_s) == (
-        2, (4.0, 3.0), 5.0, 0.0)
+        2,
+        (4.0, 3.0),
+        5.0,
+        0.0,
+    )
     # Never scheduled: it queued until the abort; no token, no TTFT.
     assert (w.ttft_s, w.queue_time_s, w.e2e_latency_s, w.prefill_time_s) == (None, 3.0, 3.0, 0.0)
     assert w.num_generation_tokens == 0 and iteration.num_prompt_tokens == 4

@@ -43,7 +43,10 @@ def _tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>", "<s>", "</s>"])
     backend.train_from_iterator(["the cat sat on the mat", "a dog ran"], trainer)
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
     )
 
@@ -51,12 +54,15 @@ def _tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 # ---------------------------------------------------------------------- tiny GGUFs
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {"tie_word_embeddings": True}),
-    ("llama", {}),
-    ("qwen2", {}),
-    ("qwen3", {"head_dim": 32}),
-])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {}),
+        ("qwen2", {}),
+        ("qwen3", {"head_dim": 32}),
+    ],
+)
 def test_tiny_gguf_round_trips_to_the_original_transformers_model(
     tmp_path, monkeypatch, arch, overrides
 ):
@@ -76,8 +82,9 @@ def test_tiny_gguf_round_trips_to_the_original_transformers_model(
     for name, tensor in written.items():
         assert torch.equal(tensor, expected_state[name]), name
     token_ids = list(range(3, 30))
-    torch.testing.assert_close(hf_logits(loaded, token_ids), hf_logits(hf_model, token_ids),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(loaded, token_ids), hf_logits(hf_model, token_ids), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_config_json_resolves_back_to_the_same_model_config(tmp_path, monkeypatch):
@@ -99,15 +106,25 @@ def test_config_json_resolves_back_to_the_same_model_config(tmp_path, monkeypatc
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer("the cat sat").input_ids == _tiny_tokenizer()("the cat sat").input_ids
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                         tokenize=False) == "<s>hi</s>"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        == "<s>hi</s>"
+    )
 
 
-@pytest.mark.parametrize("rope_scaling", [
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 16},
-])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
 def test_rope_scaling_reaches_transformers(tmp_path, rope_scaling):
     """(The tiny GGUFs carry no RoPE scaling keys, so config.json is checked on its own.)"""
     hf_model = make_tiny_hf_model("llama", seed=9, rope_scaling=rope_scaling)
@@ -127,8 +144,12 @@ def test_float_gguf_holds_the_numbers_of_the_hf_folder(tmp_path, monkeypatch, dt
     import gguf
 
     hf_model = make_tiny_hf_model("llama", seed=7)
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama",
-                    {"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_1})
+    write_tiny_gguf(
+        tmp_path / "tiny.gguf",
+        hf_model,
+        "llama",
+        {"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_1},
+    )
     written = convert.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", dtype, fmt="gguf")
     assert written == tmp_path / "out" / "model.gguf"
     reader = gguf.GGUFReader(written)
@@ -137,7 +158,8 @@ def test_float_gguf_holds_the_numbers_of_the_hf_folder(tmp_path, monkeypatch, dt
     assert types["blk.0.attn_norm.weight"] == 0  # 1-D tensors stay F32, as llama.cpp keeps them
     assert reader.get_field("general.file_type").contents() == (32 if dtype == "bfloat16" else 1)
     assert reader.get_field("tokenizer.chat_template").contents() == (
-        "{{ messages[0]['content'] }}")
+        "{{ messages[0]['content'] }}"
+    )
     monkeypatch.setattr(convert, "load_gguf_tokenizer", lambda source: _tiny_tokenizer())
     folder = convert.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", dtype)
     _, from_gguf = open_gguf_checkpoint(written)
@@ -163,9 +185,21 @@ def test_octavo_convert_command_writes_a_float_gguf(tmp_path):
     """`octavo convert` end to end (it runs the converter as its own process)."""
     write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_hf_model("qwen2", seed=8), "qwen2")
     result = subprocess.run(
-        [sys.executable, "-m", "octavo.entrypoints.cli", "convert", str(tmp_path / "tiny.gguf"),
-         str(tmp_path / "out"), "--dtype", "float32", "--format", "gguf"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "octavo.entrypoints.cli",
+            "convert",
+            str(tmp_path / "tiny.gguf"),
+            str(tmp_path / "out"),
+            "--dtype",
+            "float32",
+            "--format",
+            "gguf",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "out" / "model.gguf")
@@ -219,9 +253,9 @@ def test_embedded_folders_hold_the_gguf_weights(embedded):
 def test_embedded_float32_folder_in_transformers_matches_octavo_on_the_gguf(embedded):
     _, _, model, _, folders = embedded
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        folders["float32"], dtype=torch.float32).eval()
-    out = PagedHarness(model, num_blocks=16, block_size=4).step(
-        {"a": PROMPTS[0], "b": PROMPTS[1]})
+        folders["float32"], dtype=torch.float32
+    ).eval()
+    out = PagedHarness(model, num_blocks=16, block_size=4).step({"a": PROMPTS[0], "b": PROMPTS[1]})
     for name, token_ids in zip("ab", PROMPTS):
         expected = hf_logits(hf_model, token_ids)
         # Same weights, different kernels: the bound of the embedded GGUF vs transformers test.
@@ -242,8 +276,9 @@ def test_embedded_bfloat16_folder_in_transformers_stays_close(embedded):
     hf_model.float()
     prompt = PROMPTS[1]
     with torch.inference_mode():
-        sequence = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                     do_sample=False)[0].tolist()
+        sequence = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[
+            0
+        ].tolist()
     reference = octavo_logits(model, sequence)
     got = hf_logits(hf_model, sequence)
     assert (got - reference).abs().max().item() < 0.5
@@ -263,10 +298,14 @@ def test_embedded_tokenizer_files_match_the_gguf_tokenizer(embedded):
         assert ids == gguf_tokenizer(text).input_ids
         assert tokenizer.decode(ids) == gguf_tokenizer.decode(ids)
     messages = [{"role": "user", "content": "Name three colors."}]
-    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) \
-        == gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.model_max_length) == (
-        1, 2, 8192)
+        1,
+        2,
+        8192,
+    )
 
 
 @pytest.mark.slow
@@ -274,8 +313,9 @@ def test_octavo_serves_the_float32_folder_with_the_gguf_greedy_tokens(embedded):
     from octavo import LLM, SamplingParams
 
     _, _, model, tokenizer, folders = embedded
-    llm = LLM(model=str(folders["float32"]), dtype="float32", max_model_len=256,
-              kv_cache_tokens=512)
+    llm = LLM(
+        model=str(folders["float32"]), dtype="float32", max_model_len=256, kv_cache_tokens=512
+    )
     prompt = "The capital of France is"
     output = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     # Greedy on the GGUF weights: prefill, then one decode step per token.

@@ -33,17 +33,33 @@ def _paged_inputs(num_seqs, seq_lens, num_heads, num_kv_heads, head_dim, block_s
 # (scores go sixteen keys at a time). Others take the AVX2 or generic loops.
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (2, 1, 20, 3), (28, 4, 64, 32),
-     (12, 4, 128, 8), (8, 8, 64, 16)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 16, 4),
+        (8, 2, 128, 16),
+        (2, 1, 20, 3),
+        (28, 4, 64, 32),
+        (12, 4, 128, 8),
+        (8, 8, 64, 16),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("few", [False, True], ids=["many-seqs", "one-seq"])
-def test_paged_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
-                                                  dtype, few):
+def test_paged_decode_attention_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, dtype, few
+):
     # One sequence is split by kv head between threads; many are split by sequence.
     seq_lens = [37] if few else [1, block_size, block_size + 1, 37, 5 * block_size - 1]
-    inputs = _paged_inputs(len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim,
-                           block_size, dtype, seed=num_heads + head_dim)
+    inputs = _paged_inputs(
+        len(seq_lens),
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=num_heads + head_dim,
+    )
     out = kernels.paged_decode_attention(*inputs, scale=head_dim**-0.5)
     expected = kernels.paged_decode_attention_reference(*inputs, scale=head_dim**-0.5)
     assert out.shape == (len(seq_lens), num_heads, head_dim) and out.dtype == torch.float32
@@ -51,10 +67,17 @@ def test_paged_decode_attention_matches_reference(num_heads, num_kv_heads, head_
 
 
 def test_paged_decode_attention_of_one_key_is_its_value():
-    query, key_cache, value_cache, block_table, _ = _paged_inputs(2, [1, 1], 6, 2, 8, 4,
-                                                                  torch.float32, seed=0)
-    out = kernels.paged_decode_attention(query, key_cache, value_cache, block_table,
-                                         torch.tensor([1, 1], dtype=torch.int32), scale=1.0)
+    query, key_cache, value_cache, block_table, _ = _paged_inputs(
+        2, [1, 1], 6, 2, 8, 4, torch.float32, seed=0
+    )
+    out = kernels.paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        torch.tensor([1, 1], dtype=torch.int32),
+        scale=1.0,
+    )
     for i in range(2):
         first = value_cache[block_table[i, 0].long(), 0]  # (kv_heads, head_dim)
         torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
@@ -86,13 +109,15 @@ def _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype
     [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (10, 2, 40, 5), (2, 1, 20, 3)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head_dim,
-                                                   block_size, dtype):
+def test_paged_prefill_attention_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, dtype
+):
     # Whole prompts (one longer than a query tile, one longer than a key step of 256), chunks
     # after a cached prefix (starting mid-block, one crossing a key step), and a one-token chunk.
     chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77), (300, 300), (20, 530)]
-    query, *args = _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                   seed=num_heads + head_dim)
+    query, *args = _prefill_inputs(
+        chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=num_heads + head_dim
+    )
     out = torch.full_like(query, 7.0)
     expected = torch.full_like(query, 7.0)
     kernels.paged_prefill_attention(out, query, *args, scale=head_dim**-0.5)
@@ -122,8 +147,9 @@ def test_paged_prefill_attention_first_query_sees_only_the_first_key():
         [(6, 6)], 4, 2, 8, 4, torch.float32, seed=1
     )
     out = torch.zeros_like(query)
-    kernels.paged_prefill_attention(out, query, key_cache, value_cache, block_table, *rest,
-                                    scale=1.0)
+    kernels.paged_prefill_attention(
+        out, query, key_cache, value_cache, block_table, *rest, scale=1.0
+    )
     first = value_cache[block_table[0, 0].long(), 0]  # (kv_heads, head_dim)
     torch.testing.assert_close(out[1], first.repeat_interleave(2, dim=0))
 
@@ -147,8 +173,9 @@ def test_packed_linear_matches_reference(rows, n, k, exact_bf16):
     assert out.shape == (rows, n) and out.dtype == torch.float32
     expected = F.linear(x.double(), weight.double()).float()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(kernels.packed_linear_reference(x, packed, n), expected,
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.packed_linear_reference(x, packed, n), expected, atol=1e-4, rtol=1e-5
+    )
 
 
 def test_packed_linear_reads_strided_rows_and_large_batches():
@@ -157,8 +184,9 @@ def test_packed_linear_reads_strided_rows_and_large_batches():
     weight = torch.randn(40, 2048, generator=gen)
     x = torch.randn(200, 2048, generator=gen)
     out = kernels.packed_linear(x, kernels.pack_linear_weight(weight), 40)
-    torch.testing.assert_close(out, F.linear(x.double(), weight.double()).float(),
-                               atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(
+        out, F.linear(x.double(), weight.double()).float(), atol=1e-3, rtol=1e-5
+    )
 
 
 def test_linear_routes_by_rows_and_keeps_results():
@@ -172,8 +200,9 @@ def test_linear_routes_by_rows_and_keeps_results():
     assert not kernels.use_packed_linear(many, packed)
     assert not kernels.use_packed_linear(few, None)
     for x in (few, many):
-        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            linear(x, weight, bias, packed), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5
+        )
     # A bf16 input comes back in bf16 from either path.
     assert linear(few.bfloat16(), weight.bfloat16(), None, packed).dtype == torch.bfloat16
 
@@ -181,8 +210,9 @@ def test_linear_routes_by_rows_and_keeps_results():
 def test_packed_max_rows_is_the_last_size_the_kernel_holds():
     choose = kernels.choose_packed_max_rows
     # (rows, packed s, torch s): the kernel holds while torch is not faster beyond the margin.
-    assert choose([(256, 1.0, 1.1), (512, 2.0, 2.0), (1024, 4.0, 3.5), (2048, 8.0, 9.0)],
-                  0.03) == 512
+    assert (
+        choose([(256, 1.0, 1.1), (512, 2.0, 2.0), (1024, 4.0, 3.5), (2048, 8.0, 9.0)], 0.03) == 512
+    )
     assert choose([(256, 1.0, 0.99), (512, 2.0, 1.95)], 0.03) == kernels.PACKED_MAX_ROWS
     assert choose([(128, 1.0, 0.8)], 0.03) == 64  # decode-sized batches stay on the kernel
     assert choose([], 0.03) == kernels.PACKED_MAX_ROWS
@@ -207,11 +237,11 @@ def test_a_crossing_counts_only_if_a_second_timing_agrees(monkeypatch):
     packed = kernels.pack_linear_weight(weight)
     monkeypatch.delenv("OCTAVO_PACKED_MAX_ROWS")
     # (packed s, torch s) per call: torch "wins" at 128 once (a busy moment), then at 512 twice.
-    timings = iter([(0.010, 0.005), (0.010, 0.010), (0.020, 0.020), (0.040, 0.030),
-                    (0.040, 0.030)])
+    timings = iter([(0.010, 0.005), (0.010, 0.010), (0.020, 0.020), (0.040, 0.030), (0.040, 0.030)])
     asked = []
-    monkeypatch.setattr(kernels, "_time_matmuls",
-                        lambda w, p, rows, repeats: asked.append(rows) or next(timings))
+    monkeypatch.setattr(
+        kernels, "_time_matmuls", lambda w, p, rows, repeats: asked.append(rows) or next(timings)
+    )
     assert kernels.calibrate_packed_max_rows(weight, packed) == 256
     assert asked == [128, 128, 256, 512, 512]
 
@@ -267,8 +297,9 @@ def test_disabled_kernels_fall_back(monkeypatch):
     packed = kernels.pack_linear_weight(weight)
     monkeypatch.setitem(kernels._state, "ok", False)
     assert not kernels.use_packed_linear(torch.randn(1, 8), packed)
-    torch.testing.assert_close(linear(torch.ones(1, 8), weight, None, packed),
-                               F.linear(torch.ones(1, 8), weight))
+    torch.testing.assert_close(
+        linear(torch.ones(1, 8), weight, None, packed), F.linear(torch.ones(1, 8), weight)
+    )
     layer = Linear(8, 8, bias=False)
     assert attach_packed_weights(torch.nn.Sequential(layer)) == (0, 0, 0)
     assert layer.packed_weight is None
@@ -286,8 +317,10 @@ def test_fused_rms_norm_matches_torch_and_consumes_inputs():
     expected = norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
     alone = norm(x.clone())
     torch.testing.assert_close(
-        alone, norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
-        atol=1e-6, rtol=1e-5,
+        alone,
+        norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
+        atol=1e-6,
+        rtol=1e-5,
     )
     x_in = x.clone()
     normed, new_residual = norm.add_and_norm(x_in, residual.clone())
@@ -382,13 +415,16 @@ def test_kv_cache_write_matches_index_copy(cache_dtype):
 
 
 def test_kernels_return_the_input_dtype():
-    query, key_cache, value_cache, block_table, lens = _paged_inputs(2, [5, 9], 4, 2, 8, 4,
-                                                                     torch.float32, seed=2)
-    out = kernels.paged_decode_attention(query.bfloat16(), key_cache, value_cache, block_table,
-                                         lens, scale=0.3)
+    query, key_cache, value_cache, block_table, lens = _paged_inputs(
+        2, [5, 9], 4, 2, 8, 4, torch.float32, seed=2
+    )
+    out = kernels.paged_decode_attention(
+        query.bfloat16(), key_cache, value_cache, block_table, lens, scale=0.3
+    )
     assert out.dtype == torch.bfloat16
-    expected = kernels.paged_decode_attention_reference(query.bfloat16().float(), key_cache,
-                                                        value_cache, block_table, lens, 0.3)
+    expected = kernels.paged_decode_attention_reference(
+        query.bfloat16().float(), key_cache, value_cache, block_table, lens, 0.3
+    )
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     weight = torch.randn(24, 8)
     x = torch.randn(3, 8).bfloat16()
@@ -406,13 +442,35 @@ def test_float32_panels_on_request_and_the_bench_runs(capsys):
     assert packed.dtype == torch.float32
     assert torch.equal(kernels.unpack_linear_weight(packed, 20), weight)
     x = torch.randn(3, 12)
-    torch.testing.assert_close(kernels.packed_linear(x, packed, 20),
-                               kernels.packed_linear(x, kernels.pack_linear_weight(weight), 20))
+    torch.testing.assert_close(
+        kernels.packed_linear(x, packed, 20),
+        kernels.packed_linear(x, kernels.pack_linear_weight(weight), 20),
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--hidden-size", "32",
-         "--intermediate-size", "48", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
-         "--rows", "1,7", "--repeats", "2"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "octavo.model.kernels",
+            "--bench",
+            "--hidden-size",
+            "32",
+            "--intermediate-size",
+            "48",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--layers",
+            "2",
+            "--rows",
+            "1,7",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     # 2 layers x (qkv 64x32 + o 32x32 + gate/up 96x32 + down 32x48)
@@ -428,10 +486,31 @@ def test_attention_bench_runs_for_each_batch_and_cache_dtype():
     import sys
 
     run = subprocess.run(
-        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--attention",
-         "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
-         "--seqs", "1,3", "--context-len", "37", "--repeats", "2"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "octavo.model.kernels",
+            "--bench",
+            "--attention",
+            "--hidden-size",
+            "64",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--layers",
+            "2",
+            "--seqs",
+            "1,3",
+            "--context-len",
+            "37",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["context_len"] == 37
@@ -448,13 +527,36 @@ def test_prefill_bench_runs_for_each_prompt_length(prefix_len):
     import sys
 
     run = subprocess.run(
-        [sys.executable, "-m", "octavo.model.kernels", "--bench", "--prefill",
-         "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2", "--layers", "2",
-         "--prompt-lens", "5,40", "--prefix-len", str(prefix_len), "--repeats", "2"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "octavo.model.kernels",
+            "--bench",
+            "--prefill",
+            "--hidden-size",
+            "64",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--layers",
+            "2",
+            "--prompt-lens",
+            "5,40",
+            "--prefix-len",
+            str(prefix_len),
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert [(row["prompt_len"], row["prefix_len"]) for row in result["results"]] == [
-        (5, prefix_len), (40, prefix_len)]
+        (5, prefix_len),
+        (40, prefix_len),
+    ]
     for row in result["results"]:
         assert row["kernel_ms"] > 0 and row["sdpa_ms"] > 0

@@ -35,15 +35,28 @@ Q = gguf.GGMLQuantizationType
 
 
 def test_transformers_4_and_5_config_layouts_resolve_alike():
-    shape = dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=64,
-                 intermediate_size=96, num_hidden_layers=1, num_attention_heads=4)
+    shape = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
     v4 = ModelConfig.from_hf_config(
-        {**shape, "rope_theta": 500000.0,
-         "rope_scaling": {"type": "linear", "factor": 4.0}, "torch_dtype": "bfloat16"}
+        {
+            **shape,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"type": "linear", "factor": 4.0},
+            "torch_dtype": "bfloat16",
+        }
     )
     v5 = ModelConfig.from_hf_config(
-        {**shape, "rope_parameters": {"rope_type": "linear", "factor": 4.0,
-                                      "rope_theta": 500000.0}, "dtype": "bfloat16"}
+        {
+            **shape,
+            "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+            "dtype": "bfloat16",
+        }
     )
     assert v4 == v5
     assert v5.rope_theta == 500000.0
@@ -53,47 +66,79 @@ def test_transformers_4_and_5_config_layouts_resolve_alike():
 
 
 def test_config_resolves_architecture_flags_and_eos():
-    shape = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
-    qwen2 = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen2ForCausalLM"]},
-                                       generation_config={"eos_token_id": [7, 9]})
+    shape = dict(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=7,
+    )
+    qwen2 = ModelConfig.from_hf_config(
+        {**shape, "architectures": ["Qwen2ForCausalLM"]}, generation_config={"eos_token_id": [7, 9]}
+    )
     assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
     assert qwen2.eos_token_ids == (7, 9)  # generation_config wins over config
     assert qwen2.sampling_defaults == ()
-    qwen3 = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen3ForCausalLM"],
-                                        "head_dim": 32})
+    qwen3 = ModelConfig.from_hf_config(
+        {**shape, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}
+    )
     assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
     assert qwen3.eos_token_ids == (7,)
-    llama = ModelConfig.from_hf_config({**shape, "architectures": ["LlamaForCausalLM"],
-                                        "attention_bias": True})
+    llama = ModelConfig.from_hf_config(
+        {**shape, "architectures": ["LlamaForCausalLM"], "attention_bias": True}
+    )
     assert (llama.attention_bias, llama.attention_out_bias) == (True, True)
 
 
 def test_generation_config_sampling_defaults_use_sampling_params_names():
-    shape = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                 num_attention_heads=4, architectures=["LlamaForCausalLM"])
-    generation = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 256, "do_sample": True,
-                  "top_k": None}
+    shape = dict(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
+    generation = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_new_tokens": 256,
+        "do_sample": True,
+        "top_k": None,
+    }
     config = ModelConfig.from_hf_config(shape, generation_config=generation)
     assert dict(config.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 256}
 
 
 def test_sliding_window_caps_the_context():
-    config = ModelConfig.from_hf_config(dict(
-        architectures=["MistralForCausalLM"], vocab_size=32, hidden_size=64,
-        intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=32768, sliding_window=4096))
+    config = ModelConfig.from_hf_config(
+        dict(
+            architectures=["MistralForCausalLM"],
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=32768,
+            sliding_window=4096,
+        )
+    )
     assert config.max_position_embeddings == 4096
 
 
 # ---------------------------------------------------------------------- tiny GGUF files
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {"tie_word_embeddings": True}),
-    ("qwen2", {}),
-    ("qwen3", {"head_dim": 32}),
-])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("qwen2", {}),
+        ("qwen3", {"head_dim": 32}),
+    ],
+)
 def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
     hf_model = make_tiny_hf_model(arch, seed=11, **overrides)
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, arch)
@@ -104,8 +149,10 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
     token_ids = list(range(3, 19))
     torch.testing.assert_close(
-        PagedHarness(model).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids),
-        atol=1e-4, rtol=1e-4,
+        PagedHarness(model).step({"r": token_ids})["r"],
+        hf_logits(hf_model, token_ids),
+        atol=1e-4,
+        rtol=1e-4,
     )
 
 
@@ -214,8 +261,9 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_unsupported_gguf_tensor_type(tmp_path):
-    write_tiny_gguf(tmp_path / "q5.gguf", make_tiny_hf_model("llama"), "llama",
-                    {"blk.1.ffn_up.weight": Q.Q5_0})
+    write_tiny_gguf(
+        tmp_path / "q5.gguf", make_tiny_hf_model("llama"), "llama", {"blk.1.ffn_up.weight": Q.Q5_0}
+    )
     with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has GGUF type Q5_0"):
         load_model(str(tmp_path / "q5.gguf"), torch.float32, "cpu")
 

@@ -58,8 +58,9 @@ def test_many_tensors_share_one_allocation_without_overlap():
 def test_kv_cache_is_zeroed_and_on_huge_page_boundaries():
     # The three fields the allocation reads.
     config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
-    caches = allocate_kv_cache(config, num_blocks=2048, block_size=16, dtype=torch.float32,
-                               device="cpu")
+    caches = allocate_kv_cache(
+        config, num_blocks=2048, block_size=16, dtype=torch.float32, device="cpu"
+    )
     assert len(caches) == 2
     for cache in caches:
         assert cache.shape == (2, 2048, 16, 2, 16)

@@ -87,12 +87,14 @@ def test_mixed_batch_in_one_forward_matches_transformers(tiny, backend):
     harness.step({"cont": sequences["cont"][:5], "dec1": sequences["dec1"][:9]})
     harness.step({"dec2": sequences["dec2"][:6]})
 
-    out = harness.step({
-        "cont": sequences["cont"][5:11],  # positions 5..10 after 5 cached
-        "dec1": sequences["dec1"][9:10],  # position 9
-        "new": sequences["new"][:7],  # positions 0..6, nothing cached
-        "dec2": sequences["dec2"][6:7],  # position 6
-    })
+    out = harness.step(
+        {
+            "cont": sequences["cont"][5:11],  # positions 5..10 after 5 cached
+            "dec1": sequences["dec1"][9:10],  # position 9
+            "new": sequences["new"][:7],  # positions 0..6, nothing cached
+            "dec2": sequences["dec2"][6:7],  # position 6
+        }
+    )
     _assert_matches(out["cont"], expected["cont"][5:11])
     _assert_matches(out["dec1"], expected["dec1"][9:10])
     _assert_matches(out["new"], expected["new"][:7])
@@ -133,8 +135,9 @@ def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypat
     per-head q/k norms are not in that kernel: its layers decline it."""
     _, model = tiny
     supported = not model.config.qk_norm
-    assert all((layer.decode_kernel_args() is not None) == supported
-               for layer in model.model.layers)
+    assert all(
+        (layer.decode_kernel_args() is not None) == supported for layer in model.model.layers
+    )
     calls = []
     decode_layer = kernels.decode_layer
     monkeypatch.setattr(kernels, "decode_layer", lambda *a: calls.append(1) or decode_layer(*a))
@@ -170,7 +173,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     hf_model = save_tiny_checkpoint(tmp_path, "qwen2", seed=5, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    model, config = load_model(str(tmp_path), torch.float32, "cpu")
+    model, _ = load_model(str(tmp_path), torch.float32, "cpu")
     token_ids = _tokens(9, seed=8)
     _assert_matches(PagedHarness(model).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
 
@@ -215,19 +218,34 @@ def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, backend):
 
 def _config(**overrides) -> ModelConfig:
     fields = dict(
-        architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-        tie_word_embeddings=True, attention_bias=False, attention_out_bias=False,
-        mlp_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,),
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        attention_out_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     )
     return ModelConfig(**{**fields, **overrides})
 
 
 def test_kv_cache_layout_and_size():
     config = _config()
-    caches = allocate_kv_cache(config, num_blocks=5, block_size=4, dtype=torch.bfloat16,
-                               device="cpu")
+    caches = allocate_kv_cache(
+        config, num_blocks=5, block_size=4, dtype=torch.bfloat16, device="cpu"
+    )
     assert len(caches) == 2
     assert caches[0].shape == (2, 5, 4, 2, 16)
     assert caches[0].dtype == torch.bfloat16
@@ -319,9 +337,15 @@ def smollm2():
 def test_embedded_gguf_config(smollm2):
     _, _, config = smollm2
     assert (config.architecture, config.vocab_size, config.hidden_size) == (
-        "LlamaForCausalLM", 49152, 576)
+        "LlamaForCausalLM",
+        49152,
+        576,
+    )
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
-        30, 9, 3)
+        30,
+        9,
+        3,
+    )
     assert (config.head_dim, config.intermediate_size, config.rope_theta) == (64, 1536, 100000.0)
     assert config.tie_word_embeddings is True
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))

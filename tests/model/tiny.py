@@ -50,7 +50,10 @@ def make_tiny_hf_model(model_type: str, seed: int = 0, **overrides: object) -> n
 
 
 def save_tiny_checkpoint(
-    folder: Path, model_type: str, seed: int = 0, max_shard_size: str | None = None,
+    folder: Path,
+    model_type: str,
+    seed: int = 0,
+    max_shard_size: str | None = None,
     **overrides: object,
 ) -> nn.Module:
     """Save make_tiny_hf_model(...) to `folder` (safetensors) and return the HF model."""
@@ -80,8 +83,13 @@ class PagedHarness:
     """
 
     def __init__(
-        self, model: nn.Module, num_blocks: int = 32, block_size: int = 4,
-        backend: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0,
+        self,
+        model: nn.Module,
+        num_blocks: int = 32,
+        block_size: int = 4,
+        backend: str = "sdpa",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size

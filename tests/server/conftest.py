@@ -61,8 +61,12 @@ class RunningServer:
         def check(engine: LLMEngine) -> tuple[int, int, int, int]:
             engine.scheduler.check_integrity()
             stats = engine.make_stats()
-            return (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
-                    stats.num_blocks)
+            return (
+                stats.num_running_reqs,
+                stats.num_waiting_reqs,
+                stats.num_free_blocks,
+                stats.num_blocks,
+            )
 
         running, waiting, free, total = self.call(check)
         assert (running, waiting) == (0, 0)
@@ -81,14 +85,28 @@ def server() -> Iterator[RunningServer]:
 
     engine = LLMEngine.from_engine_args(
         # 16-token blocks (the CPU default is 128): short prompts then hit the prefix cache.
-        EngineArgs(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_tokens=16384,
-                   max_num_seqs=64, block_size=16, seed=0)
+        EngineArgs(
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_tokens=16384,
+            max_num_seqs=64,
+            block_size=16,
+            seed=0,
+        )
     )
-    config = ServerConfig(host="127.0.0.1", port=_free_port(), api_key=API_KEY,
-                          max_request_body_bytes=MAX_BODY_BYTES)
+    config = ServerConfig(
+        host="127.0.0.1", port=_free_port(), api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES
+    )
     app = make_server_app(engine, config)
-    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                       log_level="warning", timeout_graceful_shutdown=5))
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
     thread = threading.Thread(target=uv.run, name="test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

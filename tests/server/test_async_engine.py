@@ -73,8 +73,12 @@ def _output(request_id: str, text: str, token_ids: list[int], finish: str | None
 
 
 def _request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = None):
-    return EngineRequest(request_id, ProcessedPrompt(None, prompt or [1, 2]),
-                         SamplingParams(max_tokens=max_tokens), time.monotonic())
+    return EngineRequest(
+        request_id,
+        ProcessedPrompt(None, prompt or [1, 2]),
+        SamplingParams(max_tokens=max_tokens),
+        time.monotonic(),
+    )
 
 
 def _run(coro_fn):
@@ -94,8 +98,9 @@ def _run(coro_fn):
 
 async def _collect(engine: AsyncEngine, requests) -> list[tuple[str, str, str | None]]:
     async with aclosing(engine.generate(requests)) as outputs:
-        return [(o.request_id, o.outputs[0].text, o.outputs[0].finish_reason)
-                async for o in outputs]
+        return [
+            (o.request_id, o.outputs[0].text, o.outputs[0].finish_reason) async for o in outputs
+        ]
 
 
 def test_outputs_arrive_in_order_and_only_the_engine_thread_calls_the_engine() -> None:
@@ -103,8 +108,13 @@ def test_outputs_arrive_in_order_and_only_the_engine_thread_calls_the_engine() -
         return await _collect(engine, [_request("a", 2), _request("b", 3)])
 
     outputs, fake = _run(body)
-    assert outputs == [("a", "t", None), ("b", "t", None), ("a", "t", "length"),
-                       ("b", "t", None), ("b", "t", "length")]
+    assert outputs == [
+        ("a", "t", None),
+        ("b", "t", None),
+        ("a", "t", "length"),
+        ("b", "t", None),
+        ("b", "t", "length"),
+    ]
     assert fake.callers == {"octavo-engine"}
 
 
@@ -153,7 +163,8 @@ def test_a_failed_step_fails_every_request_and_repeats_kill_the_engine() -> None
     async def body(engine, fake):
         fake.fail_steps = 1
         results = await asyncio.gather(
-            _collect(engine, [_request("a", 5)]), _collect(engine, [_request("b", 5)]),
+            _collect(engine, [_request("a", 5)]),
+            _collect(engine, [_request("b", 5)]),
             return_exceptions=True,
         )
         assert all(isinstance(r, EngineStepError) and "boom" in str(r) for r in results)

@@ -20,13 +20,26 @@ pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 HISTORY = [
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
 ]
 
@@ -41,18 +54,33 @@ def prompt_tokens(http, body: dict[str, Any]) -> int:
     return response.json()["usage"]["prompt_tokens"]
 
 
-@pytest.mark.parametrize("fields", [
-    {"messages": [{"role": "user", "content": "Hi"}]},
-    {"messages": [{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": [{"type": "text", "text": "a"},
-                                               {"type": "text", "text": "b"}]}]},
-    {"messages": HISTORY, "tools": [TOOL]},
-    {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
-    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
-     "add_generation_prompt": False, "continue_final_message": True},
-    {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"x": 1}},
-], ids=["plain", "system-and-parts", "tool-history", "no-generation-prompt", "continue",
-        "kwargs"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": "user", "content": "Hi"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ]
+        },
+        {"messages": HISTORY, "tools": [TOOL]},
+        {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hel"},
+            ],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"x": 1}},
+    ],
+    ids=["plain", "system-and-parts", "tool-history", "no-generation-prompt", "continue", "kwargs"],
+)
 def test_prompt_tokens_equal_tokenize_count(http, fields) -> None:
     tokenized = http.post("/tokenize", json=fields)
     assert tokenized.status_code == 200, tokenized.text
@@ -65,25 +93,37 @@ def test_generation_prompt_and_continue_final_message_render_exactly(http, serve
         "with": f"{SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
         "without": f"{SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
         "continue": f"{SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\nThe answer is",
+        "<|im_start|>assistant\nThe answer is",
     }
     bodies = {
         "with": {"messages": [user]},
         "without": {"messages": [user], "add_generation_prompt": False},
-        "continue": {"messages": [user, {"role": "assistant", "content": "The answer is"}],
-                     "add_generation_prompt": False, "continue_final_message": True},
+        "continue": {
+            "messages": [user, {"role": "assistant", "content": "The answer is"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
     }
     for name, body in bodies.items():
         tokens = http.post("/tokenize", json=body).json()["tokens"]
         assert tokens == encode(server, expected[name]), name
 
 
-@pytest.mark.parametrize("fields,param,fragment", [
-    ({"continue_final_message": True}, "continue_final_message",
-     "continue_final_message and add_generation_prompt cannot both be true"),
-    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs",
-     "chat_template_kwargs must not set tokenize"),
-])
+@pytest.mark.parametrize(
+    "fields,param,fragment",
+    [
+        (
+            {"continue_final_message": True},
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        ),
+        (
+            {"chat_template_kwargs": {"tokenize": True}},
+            "chat_template_kwargs",
+            "chat_template_kwargs must not set tokenize",
+        ),
+    ],
+)
 @pytest.mark.parametrize("path", [CHAT, "/tokenize"])
 def test_render_options_that_cannot_work_are_400s(http, path, fields, param, fragment) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
@@ -151,21 +191,29 @@ def test_load_tokenizer_puts_the_override_in_place(tmp_path) -> None:
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "Hi": 1}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "MODEL"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "MODEL"})
+    )
     assert load_tokenizer(str(tmp_path)).chat_template == "MODEL"
     loaded = load_tokenizer(str(tmp_path), chat_template=TEMPLATE)
     assert loaded.chat_template == TEMPLATE
-    text = loaded.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                      add_generation_prompt=False)
+    text = loaded.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=False
+    )
     assert text == "<|im_start|>user\nHi<|im_end|>\n"
 
 
 def test_cli_flags_reach_engine_args_and_server_config(capsys) -> None:
-    ns = make_parser().parse_args([
-        "serve", "--chat-template", "{{ messages }}", "--tool-call-parser", "hermes",
-        "--enable-auto-tool-choice",
-    ])
+    ns = make_parser().parse_args(
+        [
+            "serve",
+            "--chat-template",
+            "{{ messages }}",
+            "--tool-call-parser",
+            "hermes",
+            "--enable-auto-tool-choice",
+        ]
+    )
     assert engine_args_from(ns).chat_template == "{{ messages }}"
     config = server_config_from(ns)
     assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)

@@ -26,9 +26,26 @@ def _free_port() -> int:
 
 def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
     port = _free_port()
-    command = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", "tiny", "--api-key", "k",
-               "--dtype", "float32", "--max-model-len", "512", "--kv-cache-tokens", "2048"]
+    command = [
+        sys.executable,
+        "-m",
+        "octavo.entrypoints.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        "k",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-tokens",
+        "2048",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -41,18 +58,28 @@ def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.25)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": "Hello",
+            "max_tokens": 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
         lines = []
-        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": "Bearer k"}) as response:
+        with httpx.stream(
+            "POST",
+            base_url + "/v1/completions",
+            json=body,
+            timeout=60,
+            headers={"Authorization": "Bearer k"},
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line)
                 if len(lines) == 2:
                     process.send_signal(signal.SIGTERM)
         assert lines[-1] == "data: [DONE]"
-        last = json.loads(lines[-2][len("data: "):])["choices"][0]
+        last = json.loads(lines[-2][len("data: ") :])["choices"][0]
         assert last["finish_reason"] == "length"
         assert len(lines) == 21  # 20 token chunks and [DONE]: the stream was finished
         assert process.wait(60) == 0
@@ -65,9 +92,25 @@ def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
 
 
 def test_bench_serve_reports_and_ends_with_a_json_line(server, capsys) -> None:
-    code = main(["bench", "serve", "--base-url", server.base_url, "--api-key", server.api_key,
-                 "--input-len", "16", "--output-len", "4", "--num-prompts", "4",
-                 "--max-concurrency", "2", "--ignore-eos"])
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            server.api_key,
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert out.startswith("config: ")

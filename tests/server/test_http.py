@@ -26,12 +26,18 @@ def _events(body: str) -> list[str]:
     assert body.endswith("\n\n")
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def test_completion_sse_framing_done_and_usage_chunk(http) -> None:
-    body = dict(GOOD_COMPLETION, max_tokens=4, stream=True, temperature=0, ignore_eos=True,
-                stream_options={"include_usage": True})
+    body = dict(
+        GOOD_COMPLETION,
+        max_tokens=4,
+        stream=True,
+        temperature=0,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
     response = http.post(CMPL, json=body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -41,21 +47,35 @@ def test_completion_sse_framing_done_and_usage_chunk(http) -> None:
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"]["completion_tokens"] == 4
-    assert set(usage_chunk["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens",
-                                         "prompt_tokens_details"}
+    assert set(usage_chunk["usage"]) == {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+    }
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1 and ids.pop().startswith("cmpl-")
     for chunk in chunks[:-1]:
         assert chunk["object"] == "text_completion" and chunk["model"] == MODEL
         assert chunk["usage"] is None
-        assert set(chunk["choices"][0]) == {"index", "text", "logprobs", "finish_reason",
-                                            "stop_reason"}
+        assert set(chunk["choices"][0]) == {
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+        }
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_chat_sse_without_usage_has_no_usage_key(http) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-            "stream": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 0,
+    }
     events = _events(http.post(CHAT, json=body).text)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -69,71 +89,180 @@ LONG_PROMPT = "word " * (MAX_MODEL_LEN + 50)
 HALF_PROMPT = "word " * (MAX_MODEL_LEN - 20)
 BAD_REQUESTS = [
     # (name, method, path, body, status, param)
-    ("max_tokens negative", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=-1), 400,
-     "max_tokens"),
+    ("max_tokens negative", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=-1), 400, "max_tokens"),
     ("max_tokens zero", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=0), 400, "max_tokens"),
-    ("max_tokens huge", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=10**12), 400,
-     "max_tokens"),
-    ("max_tokens not int", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=1.5), 400,
-     "max_tokens"),
-    ("temperature negative", "POST", CMPL, dict(GOOD_COMPLETION, temperature=-0.5), 400,
-     "temperature"),
-    ("temperature a string", "POST", CMPL, dict(GOOD_COMPLETION, temperature="hot"), 400,
-     "temperature"),
+    ("max_tokens huge", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=10**12), 400, "max_tokens"),
+    ("max_tokens not int", "POST", CMPL, dict(GOOD_COMPLETION, max_tokens=1.5), 400, "max_tokens"),
+    (
+        "temperature negative",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, temperature=-0.5),
+        400,
+        "temperature",
+    ),
+    (
+        "temperature a string",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, temperature="hot"),
+        400,
+        "temperature",
+    ),
     ("top_p zero", "POST", CMPL, dict(GOOD_COMPLETION, top_p=0), 400, "top_p"),
     ("top_p above one", "POST", CMPL, dict(GOOD_COMPLETION, top_p=1.5), 400, "top_p"),
     ("n zero", "POST", CMPL, dict(GOOD_COMPLETION, n=0), 400, "n"),
     ("n huge", "POST", CMPL, dict(GOOD_COMPLETION, n=100000), 400, "n"),
-    ("prompt plus max_tokens too long", "POST", CMPL,
-     dict(GOOD_COMPLETION, prompt=HALF_PROMPT, max_tokens=100), 400, "max_tokens"),
+    (
+        "prompt plus max_tokens too long",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, prompt=HALF_PROMPT, max_tokens=100),
+        400,
+        "max_tokens",
+    ),
     ("prompt too long", "POST", CMPL, dict(GOOD_COMPLETION, prompt=LONG_PROMPT), 400, "prompt"),
     ("empty prompt", "POST", CMPL, dict(GOOD_COMPLETION, prompt=""), 400, "prompt"),
     ("empty prompt list", "POST", CMPL, dict(GOOD_COMPLETION, prompt=[]), 400, "prompt"),
-    ("token id out of vocab", "POST", CMPL, dict(GOOD_COMPLETION, prompt=[10**9]), 400,
-     "prompt"),
+    ("token id out of vocab", "POST", CMPL, dict(GOOD_COMPLETION, prompt=[10**9]), 400, "prompt"),
     ("prompt an object", "POST", CMPL, dict(GOOD_COMPLETION, prompt={"a": 1}), 400, "prompt"),
     ("prompt missing", "POST", CMPL, {"model": MODEL}, 400, "prompt"),
-    ("presence_penalty too big", "POST", CMPL, dict(GOOD_COMPLETION, presence_penalty=5), 400,
-     "presence_penalty"),
-    ("repetition_penalty zero", "POST", CMPL, dict(GOOD_COMPLETION, repetition_penalty=0), 400,
-     "repetition_penalty"),
+    (
+        "presence_penalty too big",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, presence_penalty=5),
+        400,
+        "presence_penalty",
+    ),
+    (
+        "repetition_penalty zero",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, repetition_penalty=0),
+        400,
+        "repetition_penalty",
+    ),
     ("top_k negative", "POST", CMPL, dict(GOOD_COMPLETION, top_k=-5), 400, "top_k"),
     ("logprobs too many", "POST", CMPL, dict(GOOD_COMPLETION, logprobs=50), 400, "logprobs"),
-    ("min_tokens above max_tokens", "POST", CMPL, dict(GOOD_COMPLETION, min_tokens=5), 400,
-     "min_tokens"),
-    ("stop_token_ids out of vocab", "POST", CMPL,
-     dict(GOOD_COMPLETION, stop_token_ids=[10**9]), 400, "stop_token_ids"),
-    ("logit_bias key not an id", "POST", CMPL, dict(GOOD_COMPLETION, logit_bias={"abc": 1}),
-     400, "logit_bias"),
-    ("logit_bias value too big", "POST", CMPL, dict(GOOD_COMPLETION, logit_bias={"5": 500}),
-     400, "logit_bias"),
+    (
+        "min_tokens above max_tokens",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, min_tokens=5),
+        400,
+        "min_tokens",
+    ),
+    (
+        "stop_token_ids out of vocab",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, stop_token_ids=[10**9]),
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "logit_bias key not an id",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, logit_bias={"abc": 1}),
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias value too big",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, logit_bias={"5": 500}),
+        400,
+        "logit_bias",
+    ),
     ("seed beyond 64 bits", "POST", CMPL, dict(GOOD_COMPLETION, seed=2**70), 400, "seed"),
-    ("stream_options without stream", "POST", CMPL,
-     dict(GOOD_COMPLETION, stream_options={"include_usage": True}), 400, "stream_options"),
-    ("echo with logprobs", "POST", CMPL, dict(GOOD_COMPLETION, echo=True, logprobs=1), 400,
-     "echo"),
+    (
+        "stream_options without stream",
+        "POST",
+        CMPL,
+        dict(GOOD_COMPLETION, stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    ("echo with logprobs", "POST", CMPL, dict(GOOD_COMPLETION, echo=True, logprobs=1), 400, "echo"),
     ("unknown model", "POST", CMPL, dict(GOOD_COMPLETION, model="gpt-9"), 404, "model"),
-    ("chat unknown model", "POST", CHAT,
-     {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    (
+        "chat unknown model",
+        "POST",
+        CHAT,
+        {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model",
+    ),
     ("chat messages empty", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat messages missing", "POST", CHAT, {"model": MODEL}, 400, "messages"),
-    ("chat message not an object", "POST", CHAT, {"model": MODEL, "messages": ["hi"]}, 400,
-     "messages"),
-    ("chat message without role", "POST", CHAT,
-     {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
-    ("chat unknown role", "POST", CHAT,
-     {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ("chat content a number", "POST", CHAT,
-     {"model": MODEL, "messages": [{"role": "user", "content": 123}]}, 400, "messages"),
-    ("chat image part", "POST", CHAT,
-     {"model": MODEL, "messages": [{"role": "user", "content": [
-         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-    ("chat top_logprobs without logprobs", "POST", CHAT,
-     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     "top_logprobs"),
-    ("chat max_completion_tokens huge", "POST", CHAT,
-     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-      "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    (
+        "chat message not an object",
+        "POST",
+        CHAT,
+        {"model": MODEL, "messages": ["hi"]},
+        400,
+        "messages",
+    ),
+    (
+        "chat message without role",
+        "POST",
+        CHAT,
+        {"model": MODEL, "messages": [{"content": "hi"}]},
+        400,
+        "messages",
+    ),
+    (
+        "chat unknown role",
+        "POST",
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages",
+    ),
+    (
+        "chat content a number",
+        "POST",
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "user", "content": 123}]},
+        400,
+        "messages",
+    ),
+    (
+        "chat image part",
+        "POST",
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        },
+        400,
+        "messages",
+    ),
+    (
+        "chat top_logprobs without logprobs",
+        "POST",
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "chat max_completion_tokens huge",
+        "POST",
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 10**6,
+        },
+        400,
+        "max_completion_tokens",
+    ),
     ("tokenize empty prompt", "POST", "/tokenize", {"prompt": ""}, 400, "prompt"),
     ("detokenize bad id", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("unknown path", "GET", "/v1/nothing", None, 404, None),
@@ -141,8 +270,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("name,method,path,body,status,param", BAD_REQUESTS,
-                         ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "name,method,path,body,status,param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS]
+)
 def test_bad_request_gets_its_status_and_error_object(
     http, name, method, path, body, status, param
 ) -> None:
@@ -161,8 +291,9 @@ RAW_BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("name,content,status", RAW_BAD_REQUESTS,
-                         ids=[case[0] for case in RAW_BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "name,content,status", RAW_BAD_REQUESTS, ids=[case[0] for case in RAW_BAD_REQUESTS]
+)
 def test_malformed_body_gets_its_status(http, name, content, status) -> None:
     response = http.post(CMPL, content=content, headers={"content-type": "application/json"})
     _assert_error(response, status, None)
@@ -181,12 +312,17 @@ def _assert_error(response: httpx.Response, status: int, param: str | None) -> N
         assert error["param"] == param, error
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": "test-key"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}]
+)
 def test_api_key_is_required_everywhere_but_health(server, headers) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        for method, path in (("GET", "/v1/models"), ("POST", CMPL), ("GET", "/metrics"),
-                             ("GET", "/version")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", CMPL),
+            ("GET", "/metrics"),
+            ("GET", "/version"),
+        ):
             response = client.request(method, path, headers=headers, json=GOOD_COMPLETION)
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_api_key"
@@ -198,14 +334,19 @@ def test_cors_is_off_by_default_and_opt_in(server, http) -> None:
     response = http.get("/version", headers={"Origin": "http://example.test"})
     assert "access-control-allow-origin" not in response.headers
     # Another app over the same running engine, with CORS on (no lifespan: it borrows it).
-    app = build_app(server.async_engine, ServerConfig(allowed_origins=("http://example.test",)),
-                    PrometheusStatLogger(MODEL))
+    app = build_app(
+        server.async_engine,
+        ServerConfig(allowed_origins=("http://example.test",)),
+        PrometheusStatLogger(MODEL),
+    )
 
     async def requests() -> tuple[httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-            return (await client.options(CMPL, headers=preflight),
-                    await client.get("/version", headers={"Origin": "http://example.test"}))
+            return (
+                await client.options(CMPL, headers=preflight),
+                await client.get("/version", headers={"Origin": "http://example.test"}),
+            )
 
     allowed, version = asyncio.run(requests())
     assert allowed.headers["access-control-allow-origin"] == "http://example.test"
@@ -242,10 +383,15 @@ def test_metrics_count_tokens_with_vllm_names(server, http) -> None:
     assert http.post(CMPL, json=body).status_code == 200
     num_prompt = http.post("/tokenize", json={"prompt": "One two three"}).json()["count"]
     after = scrape()
-    assert after[f"vllm:generation_tokens_total{label}"] - before[
-        f"vllm:generation_tokens_total{label}"] == 5
-    assert after[f"vllm:prompt_tokens_total{label}"] - before[
-        f"vllm:prompt_tokens_total{label}"] == num_prompt
+    assert (
+        after[f"vllm:generation_tokens_total{label}"]
+        - before[f"vllm:generation_tokens_total{label}"]
+        == 5
+    )
+    assert (
+        after[f"vllm:prompt_tokens_total{label}"] - before[f"vllm:prompt_tokens_total{label}"]
+        == num_prompt
+    )
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert after[f"vllm:{gauge}{label}"] == 0.0
     types = [line for line in http.get("/metrics").text.splitlines() if line.startswith("# TYPE")]

@@ -43,12 +43,18 @@ def _finish(result: dict) -> tuple[str, int]:
 def test_dropped_streams_are_aborted_and_others_finish(server) -> None:
     """16 streams, half dropped after two chunks: the dropped ones leave the engine within a
     few steps, the others produce exactly max_tokens tokens, and every block comes back."""
-    body = {"model": MODEL, "prompt": "Tell me a long story about a dragon", "max_tokens": 24,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story about a dragon",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def run() -> list[dict]:
-        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=120) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, headers=server.headers, timeout=120
+        ) as client:
             tasks = [_stream(client, body, 2 if i % 2 else None) for i in range(16)]
             return await asyncio.gather(*tasks)
 
@@ -65,12 +71,17 @@ def test_dropped_streams_are_aborted_and_others_finish(server) -> None:
 def test_a_dropped_request_is_aborted_within_a_few_steps(server) -> None:
     """Streaming and non-streaming: after the client goes, the engine drops the request within
     a few steps (not after its max_tokens)."""
-    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count to one thousand:",
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
 
     async def drop_stream() -> str:
-        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=120) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, headers=server.headers, timeout=120
+        ) as client:
             return (await _stream(client, body, 1))["id"] + "-0"
 
     request_id = asyncio.run(drop_stream())
@@ -83,8 +94,9 @@ def test_a_dropped_request_is_aborted_within_a_few_steps(server) -> None:
 
     # Non-streaming: the client times out while waiting for the whole answer.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/completions", json=body, headers=server.headers,
-                   timeout=1.5)
+        httpx.post(
+            server.base_url + "/v1/completions", json=body, headers=server.headers, timeout=1.5
+        )
     steps_at_drop = server.async_engine.num_steps
     deadline = time.monotonic() + 30
     while server.call(lambda e: e.has_unfinished_requests()):
@@ -97,15 +109,22 @@ def test_a_dropped_request_is_aborted_within_a_few_steps(server) -> None:
 def test_64_concurrent_streams_are_batched_and_complete(server) -> None:
     """64 streams at once each get exactly max_tokens tokens, and continuous batching runs
     them together: far fewer steps than one request at a time would take (64 x 8)."""
-    body = {"model": MODEL, "prompt": "List some fruits:", "max_tokens": 8, "ignore_eos": True,
-            "temperature": 0.7}
+    body = {
+        "model": MODEL,
+        "prompt": "List some fruits:",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "temperature": 0.7,
+    }
 
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=80)
-        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(_stream(client, dict(body, seed=i), None)
-                                          for i in range(64)))
+        async with httpx.AsyncClient(
+            base_url=server.base_url, headers=server.headers, timeout=300, limits=limits
+        ) as client:
+            return await asyncio.gather(
+                *(_stream(client, dict(body, seed=i), None) for i in range(64))
+            )
 
     steps_before = server.async_engine.num_steps
     results = asyncio.run(run())
@@ -129,11 +148,18 @@ async def _soak_round(server, seed: int, num_requests: int = 200, concurrency: i
 
     async def one(client: httpx.AsyncClient, index: int) -> None:
         kind = rng.random()
-        words = " ".join(rng.choice(["red", "blue", "cat", "sea", "tree"])
-                         for _ in range(rng.randint(1, 60)))
+        words = " ".join(
+            rng.choice(["red", "blue", "cat", "sea", "tree"]) for _ in range(rng.randint(1, 60))
+        )
         max_tokens = rng.randint(1, 16)
-        body = {"model": MODEL, "prompt": words, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": rng.choice([0.0, 0.8]), "seed": index}
+        body = {
+            "model": MODEL,
+            "prompt": words,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": rng.choice([0.0, 0.8]),
+            "seed": index,
+        }
         async with semaphore:
             if kind < 0.1:
                 response = await client.post("/v1/completions", json=rng.choice(BAD_BODIES))
@@ -152,8 +178,9 @@ async def _soak_round(server, seed: int, num_requests: int = 200, concurrency: i
                 assert response.json()["choices"][0]["finish_reason"] == "length"
 
     limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=300,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.headers, timeout=300, limits=limits
+    ) as client:
         await asyncio.gather(*(one(client, i) for i in range(num_requests)))
 
 

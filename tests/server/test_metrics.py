@@ -42,9 +42,7 @@ class FakeRunner:
         for request_id in out.preempted_req_ids | out.finished_req_ids:
             self.num_tokens.pop(request_id, None)
         for new in out.scheduled_new_reqs:
-            self.num_tokens[new.request_id] = len(new.prompt_token_ids) + len(
-                new.output_token_ids
-            )
+            self.num_tokens[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
         for cached in out.scheduled_cached_reqs:
             self.num_computed[cached.request_id] = cached.num_computed_tokens
@@ -71,9 +69,15 @@ def word_tokenizer() -> Tokenizer:
 def make_engine(request_log: str | None, admission: str = "current") -> LLMEngine:
     """10 blocks of 4 tokens, the scheduler tests' pool."""
     config = EngineConfig(
-        model=MODEL, served_model_name=MODEL, dtype="float32", dtype_reason="test",
-        device="cpu", seed=0, cache=CacheConfig(block_size=4, num_blocks=10),
-        scheduler=SchedulerConfig(16, 64, 64, admission=admission), request_log=request_log,
+        model=MODEL,
+        served_model_name=MODEL,
+        dtype="float32",
+        dtype_reason="test",
+        device="cpu",
+        seed=0,
+        cache=CacheConfig(block_size=4, num_blocks=10),
+        scheduler=SchedulerConfig(16, 64, 64, admission=admission),
+        request_log=request_log,
     )
     return LLMEngine(config, FakeRunner(), word_tokenizer(), (EOS_TOKEN_ID,))
 
@@ -125,8 +129,9 @@ def test_metrics_and_request_log_agree_with_what_ran(tmp_path) -> None:
     engine.add_request("a", list(range(10, 25)), SamplingParams(max_tokens=3))
     engine.add_request("b", list(range(30, 54)), SamplingParams(max_tokens=2))
     run_to_completion(engine)
-    engine.add_request("c", [54, 55, 56, 57],
-                       SamplingParams(max_tokens=8, stop_token_ids=[SAMPLED_TOKEN_ID]))
+    engine.add_request(
+        "c", [54, 55, 56, 57], SamplingParams(max_tokens=8, stop_token_ids=[SAMPLED_TOKEN_ID])
+    )
     engine.add_request("d", [58, 59, 60, 61], SamplingParams(max_tokens=8, stop=["t5"]))
     engine.add_request("e", [10, 11, 12, 13], SamplingParams(max_tokens=8))
     engine.abort_request("e")
@@ -170,17 +175,29 @@ def test_metrics_and_request_log_agree_with_what_ran(tmp_path) -> None:
         series("octavo:request_max_token_gap_seconds_count"): 2,
     }
     assert {key: values.get(key) for key in expected} == expected
-    for name, kind in (("vllm:num_requests_running", "gauge"),
-                       ("vllm:num_preemptions_total", "counter"),
-                       ("vllm:request_success_total", "counter"),
-                       ("vllm:time_to_first_token_seconds", "histogram"),
-                       ("octavo:request_max_token_gap_seconds", "histogram")):
+    for name, kind in (
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_preemptions_total", "counter"),
+        ("vllm:request_success_total", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("octavo:request_max_token_gap_seconds", "histogram"),
+    ):
         assert types[name] == kind
 
-    lines = {entry["request_id"]: entry
-             for entry in map(json.loads, log_path.read_text().splitlines())}
-    assert {r: (e["prompt_tokens"], e["completion_tokens"], e["max_tokens"], e["finish_reason"],
-                e["evictions"], len(e["eviction_freezes_s"])) for r, e in lines.items()} == {
+    lines = {
+        entry["request_id"]: entry for entry in map(json.loads, log_path.read_text().splitlines())
+    }
+    assert {
+        r: (
+            e["prompt_tokens"],
+            e["completion_tokens"],
+            e["max_tokens"],
+            e["finish_reason"],
+            e["evictions"],
+            len(e["eviction_freezes_s"]),
+        )
+        for r, e in lines.items()
+    } == {
         "a": (15, 3, 3, "length", 0, 0),
         "b": (24, 2, 2, "length", 1, 1),
         "c": (4, 1, 8, "stop", 0, 0),
@@ -194,8 +211,9 @@ def test_metrics_and_request_log_agree_with_what_ran(tmp_path) -> None:
     assert lines["a"]["ttft_s"] <= lines["a"]["e2e_latency_s"]
 
 
-@pytest.mark.parametrize("admission,num_preemptions", [("current", 1), ("reserve", 0),
-                                                        ("ratio", 0)])
+@pytest.mark.parametrize(
+    "admission,num_preemptions", [("current", 1), ("reserve", 0), ("ratio", 0)]
+)
 def test_preemptions_by_policy(admission: str, num_preemptions: int) -> None:
     """The same two requests: only `current` admits b beside a and later evicts it; reserve
     and ratio (a still reserves 1 more block; b needs all of its 7) keep b waiting."""
@@ -253,8 +271,13 @@ def test_server_metrics_after_a_streamed_request(server, http) -> None:
 
     server.wait_idle()
     before, _ = scrape_server()
-    body = {"model": SERVER_MODEL, "prompt": "Count: one two", "max_tokens": 5,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": SERVER_MODEL,
+        "prompt": "Count: one two",
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -282,22 +305,43 @@ def test_server_metrics_after_a_streamed_request(server, http) -> None:
     assert delta("vllm:request_generation_tokens_sum") == 5
     assert delta("octavo:request_max_token_gap_seconds_count") == 1
     assert delta("vllm:prefix_cache_queries_total") == num_prompt
-    assert delta("vllm:e2e_request_latency_seconds_sum") >= delta(
-        "vllm:time_to_first_token_seconds_sum") > 0
+    assert (
+        delta("vllm:e2e_request_latency_seconds_sum")
+        >= delta("vllm:time_to_first_token_seconds_sum")
+        > 0
+    )
     assert after[key("vllm:num_requests_running")] == 0
 
 
 def test_admission_flags_reach_the_resolved_config() -> None:
     from octavo.entrypoints.cli import engine_args_from, make_parser
 
-    ns = make_parser().parse_args(["serve", "--admission", "ratio", "--watermark", "0.1",
-                                   "--preempt-victim", "newest", "--request-log", "r.jsonl"])
+    ns = make_parser().parse_args(
+        [
+            "serve",
+            "--admission",
+            "ratio",
+            "--watermark",
+            "0.1",
+            "--preempt-victim",
+            "newest",
+            "--request-log",
+            "r.jsonl",
+        ]
+    )
     args = engine_args_from(ns)
     assert (args.admission, args.watermark, args.preempt_victim, args.request_log) == (
-        "ratio", 0.1, "newest", "r.jsonl")
+        "ratio",
+        0.1,
+        "newest",
+        "r.jsonl",
+    )
     defaults = engine_args_from(make_parser().parse_args(["serve"]))
     assert (defaults.admission, defaults.watermark, defaults.preempt_victim) == (
-        "current", 0.0, None)
+        "current",
+        0.0,
+        None,
+    )
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--admission", "tgi"])
     resolved = json.loads(make_engine(None, "reserve").config.to_json())

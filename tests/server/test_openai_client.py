@@ -43,8 +43,9 @@ def test_completion_greedy_is_deterministic_and_counts_usage(client, model, http
 
 def test_streamed_completion_equals_the_whole_one(client, model) -> None:
     whole = _greedy(client, model, max_tokens=10).choices[0].text
-    chunks = list(_greedy(client, model, max_tokens=10, stream=True,
-                          stream_options={"include_usage": True}))
+    chunks = list(
+        _greedy(client, model, max_tokens=10, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -53,12 +54,16 @@ def test_streamed_completion_equals_the_whole_one(client, model) -> None:
 
 
 def test_chat_streamed_equals_whole_and_opens_with_the_role(client, model) -> None:
-    whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
-                                           max_tokens=12)
+    whole = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=12
+    )
     assert whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
-                                                 max_tokens=12, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=0, max_tokens=12, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].choices[0].delta.content == ""
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -68,12 +73,20 @@ def test_chat_streamed_equals_whole_and_opens_with_the_role(client, model) -> No
 
 
 def test_n_samples_get_their_own_indices(client, model) -> None:
-    response = client.completions.create(model=model, prompt=PROMPT, n=3, temperature=1.0,
-                                         seed=7, max_tokens=6, extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        max_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert response.usage.completion_tokens == 18
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, n=2,
-                                          temperature=1.0, seed=7, max_tokens=4, stream=True)
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, n=2, temperature=1.0, seed=7, max_tokens=4, stream=True
+    )
     by_index: dict[int, str] = {}
     for chunk in chat:
         for choice in chunk.choices:
@@ -92,10 +105,18 @@ def test_stop_string_ends_the_text_before_it(client, model) -> None:
 
 def test_seed_reproduces_sampled_text(client, model) -> None:
     def sample(seed: int) -> str:
-        return client.completions.create(
-            model=model, prompt=PROMPT, temperature=1.0, seed=seed, max_tokens=16,
-            extra_body={"ignore_eos": True},
-        ).choices[0].text
+        return (
+            client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                temperature=1.0,
+                seed=seed,
+                max_tokens=16,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(1234) == sample(1234)
     # Two seeds agreeing on 16 sampled tokens at temperature 1 is vanishingly unlikely.
@@ -115,8 +136,9 @@ def test_completion_logprobs(client, model) -> None:
 
 
 def test_chat_logprobs(client, model) -> None:
-    response = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
-                                              max_tokens=4, logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True, top_logprobs=2
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 4
     for entry in content:
@@ -143,8 +165,9 @@ def test_prompt_lists_token_ids_and_echo(client, model, http) -> None:
     by_text = _greedy(client, model, max_tokens=4).choices[0].text
     by_ids = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=4)
     assert by_ids.choices[0].text == by_text
-    several = client.completions.create(model=model, prompt=[PROMPT, "Hello"], n=2,
-                                        temperature=0, max_tokens=4)
+    several = client.completions.create(
+        model=model, prompt=[PROMPT, "Hello"], n=2, temperature=0, max_tokens=4
+    )
     assert [c.index for c in several.choices] == [0, 1, 2, 3]
     assert several.choices[0].text == several.choices[1].text == by_text
     echoed = _greedy(client, model, max_tokens=4, echo=True).choices[0].text

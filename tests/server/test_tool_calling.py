@@ -43,8 +43,10 @@ CHAT = "/v1/chat/completions"
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 WEATHER_SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
@@ -55,10 +57,22 @@ TIME_SCHEMA = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": WEATHER_SCHEMA}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
-                                      "parameters": TIME_SCHEMA}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER_SCHEMA,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a zone",
+            "parameters": TIME_SCHEMA,
+        },
+    },
 ]
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -101,31 +115,79 @@ def assert_error(response: httpx.Response, param: str, fragment: str) -> None:
 # --- 400s -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields,param,fragment", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "tool_choice names function 'nope', which is not in tools ('get_weather', 'get_time')"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "strin"}}}}}], "tool_choice": "none"},
-     "tools", "tools[0].function.parameters is not a valid JSON schema: at $.properties.a.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "string"}}}], "tool_choice": "none"}, "tools", "must describe an object"),
-    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, "tools",
-     "tools[1].function.name 'get_weather' is used by two tools"),
-    ({}, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
-    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs a non-empty tools list"),
-    ({"tool_choice": "sometimes"}, "tool_choice", "Invalid value for 'tool_choice'"),
-    ({"tools": [{"type": "function"}]}, "tools", "Invalid value for 'tools'"),
-])
-def test_bad_tools_and_tool_choice_are_400s_naming_them(http, server, fields, param,
-                                                       fragment) -> None:
+@pytest.mark.parametrize(
+    "fields,param,fragment",
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "tool_choice names function 'nope', which is not in tools ('get_weather', 'get_time')",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "strin"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "none",
+            },
+            "tools",
+            "tools[0].function.parameters is not a valid JSON schema: at $.properties.a.type",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+                "tool_choice": "none",
+            },
+            "tools",
+            "must describe an object",
+        ),
+        (
+            {"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"},
+            "tools",
+            "tools[1].function.name 'get_weather' is used by two tools",
+        ),
+        ({}, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs a non-empty tools list"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "Invalid value for 'tool_choice'"),
+        ({"tools": [{"type": "function"}]}, "tools", "Invalid value for 'tools'"),
+    ],
+)
+def test_bad_tools_and_tool_choice_are_400s_naming_them(
+    http, server, fields, param, fragment
+) -> None:
     assert_error(http.post(CHAT, json=chat_body(**fields)), param, fragment)
     server.assert_no_leak()
 
 
 def test_tool_call_arguments_in_history_must_be_json(http) -> None:
-    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{city: Paris"},
+                }
+            ],
+        },
+    ]
     response = http.post(CHAT, json=chat_body(messages=messages, tool_choice="none"))
     assert_error(response, "messages", "messages[1].tool_calls[0].function.arguments is not")
 
@@ -133,10 +195,11 @@ def test_tool_call_arguments_in_history_must_be_json(http) -> None:
 # --- tool_choice -> parser and constraint ---------------------------------------------------
 
 
-def _setup(tool_choice: Any, serving: ToolServing = ToolServing()):
+def _setup(tool_choice: Any, serving: ToolServing | None = None):
     request = ChatCompletionRequest.model_validate(
-        {"messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice})
-    return resolve_tools(request.tools, request.tool_choice, serving)
+        {"messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
+    )
+    return resolve_tools(request.tools, request.tool_choice, serving or ToolServing())
 
 
 def test_tool_choice_resolves_to_parser_and_constraint() -> None:
@@ -148,7 +211,8 @@ def test_tool_choice_resolves_to_parser_and_constraint() -> None:
     assert isinstance(parser, NamedToolParser) and parser.name == "get_time"
     required = _setup("required")
     assert required.structured_outputs == StructuredOutputsParams(
-        json=required_schema([WEATHER_SCHEMA, TIME_SCHEMA], ["get_weather", "get_time"]))
+        json=required_schema([WEATHER_SCHEMA, TIME_SCHEMA], ["get_weather", "get_time"])
+    )
     assert isinstance(required.make_parser(), RequiredToolsParser)
     auto = _setup("auto", ToolServing("hermes", enable_auto_tool_choice=True))
     assert (auto.make_parser, auto.structured_outputs) == (HermesToolParser, None)
@@ -159,17 +223,26 @@ def test_tool_choice_resolves_to_parser_and_constraint() -> None:
 def test_required_schema_accepts_calls_and_rejects_anything_else() -> None:
     schema = required_schema([WEATHER_SCHEMA, None], ["get_weather", "now"])
     validator = jsonschema.Draft202012Validator(schema)
-    good = [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}},
-            {"name": "now", "parameters": {}}]
+    good = [
+        {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}},
+        {"name": "now", "parameters": {}},
+    ]
     assert validator.is_valid(good)
-    for bad in ([], [{"name": "get_weather", "parameters": {"city": "Oslo"}}],
-                [{"name": "other", "parameters": {}}], [{"name": "now"}]):
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {"city": "Oslo"}}],
+        [{"name": "other", "parameters": {}}],
+        [{"name": "now"}],
+    ):
         assert not validator.is_valid(bad), bad
 
 
 def test_required_schema_moves_definitions_to_the_root() -> None:
-    with_defs = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
-                 "$defs": {"P": {"type": "integer"}}}
+    with_defs = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+        "$defs": {"P": {"type": "integer"}},
+    }
     schema = required_schema([with_defs], ["f"])
     assert schema["$defs"] == {"P": {"type": "integer"}}
     validator = jsonschema.Draft202012Validator(schema)
@@ -191,15 +264,18 @@ def test_tool_serving_flags_are_checked_at_start_up() -> None:
 
 
 def _outputs(pieces: list[str], finish_reason: str) -> list[CompletionOutput]:
-    return [CompletionOutput(0, piece, [1], None, None,
-                             finish_reason if i == len(pieces) - 1 else None)
-            for i, piece in enumerate(pieces)]
+    return [
+        CompletionOutput(0, piece, [1], None, None, finish_reason if i == len(pieces) - 1 else None)
+        for i, piece in enumerate(pieces)
+    ]
 
 
 def test_stream_deltas_have_openai_shapes_and_finish_with_tool_calls() -> None:
-    text = ('I will check. <tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}'
-            "\n</tool_call>")
-    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    text = (
+        'I will check. <tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}'
+        "\n</tool_call>"
+    )
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
     choice = _Choice(parser=HermesToolParser())
     deltas = [_stream_delta(choice, output) for output in _outputs(pieces, "stop")]
     shown = [d.model_dump() for d in deltas if d is not None]
@@ -207,9 +283,13 @@ def test_stream_deltas_have_openai_shapes_and_finish_with_tool_calls() -> None:
     calls = [d["tool_calls"][0] for d in shown if "tool_calls" in d]
     assert set(calls[0]) == {"index", "id", "type", "function"}
     assert (calls[0]["index"], calls[0]["type"], calls[0]["function"]["name"]) == (
-        0, "function", "get_time")
-    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
-               for c in calls[1:])
+        0,
+        "function",
+        "get_time",
+    )
+    assert all(
+        set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:]
+    )
     assert "".join(d.get("content", "") for d in shown) == "I will check."
     assert "".join(c["function"].get("arguments", "") for c in calls) == '{"timezone": "CET"}'
     assert choice.called
@@ -221,9 +301,11 @@ def test_stream_deltas_have_openai_shapes_and_finish_with_tool_calls() -> None:
 
 
 def test_a_call_cut_by_max_tokens_keeps_finish_reason_length() -> None:
-    choice = _Choice(parser=HermesToolParser(),
-                     text=['<tool_call>{"name": "get_time", "arguments": {"timez'],
-                     finish_reason="length")
+    choice = _Choice(
+        parser=HermesToolParser(),
+        text=['<tool_call>{"name": "get_time", "arguments": {"timez'],
+        finish_reason="length",
+    )
     message, finish_reason = _final_message(choice)
     assert finish_reason == "length"
     assert message.tool_calls is None
@@ -271,7 +353,8 @@ def test_auto_tool_choice_stream_and_whole_answer_agree(auto_client, server) -> 
     message = choice["message"]
     assert content == (message["content"] or "")
     assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
     assert finish == choice["finish_reason"]
     server.assert_no_leak()
 
@@ -285,8 +368,9 @@ def _forced_call(http, tool_choice: Any) -> tuple[dict[str, Any], list[dict[str,
     calls = choice["message"]["tool_calls"]
     for call in calls:
         assert ID.fullmatch(call["id"]) and call["type"] == "function"
-        jsonschema.validate(json.loads(call["function"]["arguments"]),
-                            SCHEMAS[call["function"]["name"]])
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]]
+        )
     return choice, calls
 
 
@@ -298,7 +382,8 @@ def test_forced_named_call_is_valid_and_streams_the_same(http, server) -> None:
     content, stream_calls, finish = reassemble(sse_events(streamed.text))
     assert (content, finish) == ("", "tool_calls")
     assert [(c["name"], c["arguments"]) for c in stream_calls] == [
-        ("get_weather", calls[0]["function"]["arguments"])]
+        ("get_weather", calls[0]["function"]["arguments"])
+    ]
     assert ID.fullmatch(stream_calls[0]["id"])
     server.assert_no_leak()
 
@@ -312,8 +397,9 @@ def test_forced_required_calls_through_the_openai_client(http, server) -> None:
     del body["max_tokens"], body["temperature"]
     stream_calls: dict[int, list[str]] = {}
     finish = None
-    for chunk in client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=80,
-                                                temperature=0, stream=True, **body):
+    for chunk in client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=80, temperature=0, stream=True, **body
+    ):
         delta = chunk.choices[0].delta
         assert not delta.content
         for piece in delta.tool_calls or []:
@@ -322,6 +408,7 @@ def test_forced_required_calls_through_the_openai_client(http, server) -> None:
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert [(name, arguments) for _, name, arguments in stream_calls.values()] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
     assert all(ID.fullmatch(call_id) for call_id, _, _ in stream_calls.values())
     server.assert_no_leak()

@@ -34,7 +34,7 @@ def calls(extracted) -> list[tuple[str, str]]:
 def stream(parser: ToolParser, text: str, sizes: list[int]) -> list[DeltaUpdate]:
     updates, pos = [], 0
     for size in sizes:
-        updates.append(parser.feed(text[pos:pos + size]))
+        updates.append(parser.feed(text[pos : pos + size]))
         pos += size
     assert pos >= len(text)
     updates.append(parser.finish())
@@ -75,18 +75,23 @@ def test_hermes_several_calls_in_one_answer_get_distinct_ids() -> None:
     text = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
     extracted = HermesToolParser().extract(text)
     assert extracted.content is None
-    assert calls(extracted) == [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
-                                ("get_time", '{"tz": "CET"}')]
+    assert calls(extracted) == [
+        ("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+        ("get_time", '{"tz": "CET"}'),
+    ]
     assert len({call.id for call in extracted.tool_calls}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    "Sure <tool_call>{not json}</tool_call> done",
-    '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>',
-    '<tool_call>{"arguments": {"a": 1}}</tool_call>',
-    '<tool_call>{"name": "f", "arguments": "a=1"}</tool_call>',
-    '<tool_call>["f"]</tool_call>',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sure <tool_call>{not json}</tool_call> done",
+        '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>',
+        '<tool_call>{"arguments": {"a": 1}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "a=1"}</tool_call>',
+        '<tool_call>["f"]</tool_call>',
+    ],
+)
 def test_hermes_malformed_call_comes_back_as_content(text: str) -> None:
     extracted = HermesToolParser().extract(text)
     assert extracted.content == text
@@ -102,9 +107,11 @@ def test_hermes_good_call_beside_a_malformed_one() -> None:
 
 def test_hermes_unclosed_last_call_and_call_without_arguments() -> None:
     assert calls(HermesToolParser().extract(f"<tool_call>{TIME}")) == [
-        ("get_time", '{"tz": "CET"}')]
+        ("get_time", '{"tz": "CET"}')
+    ]
     assert calls(HermesToolParser().extract('<tool_call>{"name": "now"}</tool_call>')) == [
-        ("now", "{}")]
+        ("now", "{}")
+    ]
 
 
 def test_hermes_text_without_calls_is_untouched() -> None:
@@ -145,9 +152,12 @@ def test_hermes_stream_holds_back_a_possible_tag_and_never_sends_markup() -> Non
     first = parser.feed('{"name": "get_time", "arguments": {"tz"')
     assert first.content == ""
     assert [(d.index, d.name, d.arguments) for d in first.tool_calls] == [
-        (0, "get_time", ""), (0, None, '{"tz"')]
+        (0, "get_time", ""),
+        (0, None, '{"tz"'),
+    ]
     assert parser.feed(': "CET"}}</tool_') == DeltaUpdate(
-        "", [ToolCallDelta(0, arguments=': "CET"}')])
+        "", [ToolCallDelta(0, arguments=': "CET"}')]
+    )
     assert parser.feed("call>") == DeltaUpdate("", [])
     assert parser.finish() == DeltaUpdate("", [])
 
@@ -184,19 +194,29 @@ def test_named_parser_whole_and_streamed() -> None:
 
 
 def test_required_parser_whole_and_streamed() -> None:
-    text = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
-            '{"name": "get_time", "parameters": {}}]')
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
     whole = RequiredToolsParser().extract(text)
     assert (whole.content, calls(whole)) == (
-        None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])
+        None,
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    )
     for sizes in chunkings(text):
         assert calls(merge_updates(stream(RequiredToolsParser(), text, sizes))) == calls(whole)
 
 
-@pytest.mark.parametrize("text", [
-    "[]", '{"name": "f", "parameters": {}}', '[{"name": "f"}]',
-    '[{"name": "f", "parameters": {}, "x": 1}]', '[{"name": "f", "parameters": {}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '{"name": "f", "parameters": {}}',
+        '[{"name": "f"}]',
+        '[{"name": "f", "parameters": {}, "x": 1}]',
+        '[{"name": "f", "parameters": {}}',
+    ],
+)
 def test_required_parser_gives_content_for_anything_but_a_call_list(text: str) -> None:
     extracted = RequiredToolsParser().extract(text)
     assert (extracted.content, extracted.tool_calls) == (text, [])
@@ -210,17 +230,30 @@ def test_scan_object_spans_and_the_value_being_written() -> None:
     scan = scan_object(text)
     assert scan.members == {"name": (9, 12)}
     assert (scan.open_key, scan.open_start, scan.end, scan.malformed) == (
-        "arguments", 27, None, False)
+        "arguments",
+        27,
+        None,
+        False,
+    )
     done = scan_object(text + '"]}}')
     assert done.members["arguments"] == (27, 42) and done.end == 43
     assert scan_object('{"a": 1 "b"').malformed
     assert scan_object("[1]").malformed
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("12", None), ("12,", (12, 2)), ("tr", None), ('"a\\u00', None), ("-", None),
-    ('{"a": [1, 2', None), ('{"a": 1}', ({"a": 1}, 8)), ("true", (True, 4)),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("12", None),
+        ("12,", (12, 2)),
+        ("tr", None),
+        ('"a\\u00', None),
+        ("-", None),
+        ('{"a": [1, 2', None),
+        ('{"a": 1}', ({"a": 1}, 8)),
+        ("true", (True, 4)),
+    ],
+)
 def test_decode_value_tells_unfinished_from_complete(text: str, expected) -> None:
     assert decode_value(text, 0) == expected
 
@@ -234,4 +267,6 @@ def test_decode_value_rejects_what_no_continuation_can_fix(text: str) -> None:
 def test_merged_arguments_are_json() -> None:
     merged = merge_updates(stream(HermesToolParser(), STREAM_TEXTS[0], [3] * 62))
     assert [json.loads(call.arguments) for call in merged.tool_calls] == [
-        {"city": "Paris", "days": [1, 2]}, {"tz": "CET"}]
+        {"city": "Paris", "days": [1, 2]},
+        {"tz": "CET"},
+    ]

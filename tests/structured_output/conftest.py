@@ -32,9 +32,15 @@ def manager(tokenizer) -> StructuredOutputManager:
 def tiny_llm(tokenizer, tmp_path_factory) -> LLM:
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=EOS_TOKEN_ID,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)

@@ -32,21 +32,35 @@ def ready_grammar(manager: StructuredOutputManager, params) -> GuidanceGrammar:
 @pytest.mark.parametrize(
     "params, message",
     [
-        (StructuredOutputsParams(json={"type": "strin"}),
-         "structured_outputs.json is invalid: Invalid type: strin"),
-        (StructuredOutputsParams(json='{"type": '),
-         "structured_outputs.json is invalid: Expecting value: line 1 column 10 (char 9)"),
-        (StructuredOutputsParams(json=[1, 2]),  # type: ignore[arg-type]
-         "structured_outputs.json is invalid: a JSON schema must be a JSON object"),
-        (StructuredOutputsParams(json={"properties": {"a": {"$ref": "#/nope"}}}),
-         "structured_outputs.json is invalid: Pointer '/nope' does not exist"),
-        (StructuredOutputsParams(json={"type": "string", "format": "nonsense"}),
-         "structured_outputs.json is invalid: Unknown format: nonsense"),
+        (
+            StructuredOutputsParams(json={"type": "strin"}),
+            "structured_outputs.json is invalid: Invalid type: strin",
+        ),
+        (
+            StructuredOutputsParams(json='{"type": '),
+            "structured_outputs.json is invalid: Expecting value: line 1 column 10 (char 9)",
+        ),
+        (
+            StructuredOutputsParams(json=[1, 2]),  # type: ignore[arg-type]
+            "structured_outputs.json is invalid: a JSON schema must be a JSON object",
+        ),
+        (
+            StructuredOutputsParams(json={"properties": {"a": {"$ref": "#/nope"}}}),
+            "structured_outputs.json is invalid: Pointer '/nope' does not exist",
+        ),
+        (
+            StructuredOutputsParams(json={"type": "string", "format": "nonsense"}),
+            "structured_outputs.json is invalid: Unknown format: nonsense",
+        ),
         (StructuredOutputsParams(regex="(abc"), "structured_outputs.regex is invalid: "),
-        (StructuredOutputsParams(grammar="start: foo"),
-         'structured_outputs.grammar is invalid: at 1(8): unknown name: "foo"'),
-        (StructuredOutputsParams(grammar="this is not a grammar"),
-         "structured_outputs.grammar is invalid: Failed to convert the grammar"),
+        (
+            StructuredOutputsParams(grammar="start: foo"),
+            'structured_outputs.grammar is invalid: at 1(8): unknown name: "foo"',
+        ),
+        (
+            StructuredOutputsParams(grammar="this is not a grammar"),
+            "structured_outputs.grammar is invalid: Failed to convert the grammar",
+        ),
     ],
 )
 def test_invalid_constraints_name_the_field_and_the_problem(manager, params, message) -> None:
@@ -76,9 +90,7 @@ def test_valid_constraints_pass(manager, params) -> None:
 def test_choice_mask_termination_and_eos(manager, tokenizer) -> None:
     grammar = ready_grammar(manager, StructuredOutputsParams(choice=["yes", "no"]))
     (row,) = manager.grammar_bitmask([grammar])
-    assert sorted(tokenizer.decode([t]) for t in allowed_ids(row)) == [
-        "n", "no", "y", "ye", "yes"
-    ]
+    assert sorted(tokenizer.decode([t]) for t in allowed_ids(row)) == ["n", "no", "y", "ye", "yes"]
     (yes,) = tokenizer.encode("yes", add_special_tokens=False)
     assert grammar.accept_token(yes) and grammar.is_terminated()
     # Complete: only EOS may follow.
@@ -107,8 +119,10 @@ def test_compilation_is_shared_by_key_and_each_request_has_its_own_state(
     first = ready_grammar(manager, StructuredOutputsParams(json=schema))
     # The same schema as text, keys in another order: the same key, no new compilation.
     second = ready_grammar(
-        manager, StructuredOutputsParams(json='{"required": ["k"], "properties": '
-                                             '{"k": {"enum": ["a", "b"]}}, "type": "object"}')
+        manager,
+        StructuredOutputsParams(
+            json='{"required": ["k"], "properties": {"k": {"enum": ["a", "b"]}}, "type": "object"}'
+        ),
     )
     assert manager.num_compiles == before + 1
     start = manager.grammar_bitmask([second])[0].copy()
@@ -121,8 +135,9 @@ def test_compilation_is_shared_by_key_and_each_request_has_its_own_state(
 
 
 def test_the_cache_keeps_the_most_recent_grammars(tokenizer) -> None:
-    manager = StructuredOutputManager(tokenizer, len(tokenizer), (EOS_TOKEN_ID,),
-                                      max_cached_grammars=1)
+    manager = StructuredOutputManager(
+        tokenizer, len(tokenizer), (EOS_TOKEN_ID,), max_cached_grammars=1
+    )
     ready_grammar(manager, StructuredOutputsParams(regex="a+"))
     ready_grammar(manager, StructuredOutputsParams(regex="b+"))
     ready_grammar(manager, StructuredOutputsParams(regex="b+"))
@@ -138,9 +153,9 @@ def test_a_grammar_is_not_ready_until_compiled(manager, tokenizer) -> None:
     assert not grammar.is_ready()
     with pytest.raises(RuntimeError, match="still compiling"):
         grammar.accept_token(5)
-    template = manager.backend.compile(manager.backend.validate(
-        StructuredOutputsParams(choice=["yes", "no"])
-    ))
+    template = manager.backend.compile(
+        manager.backend.validate(StructuredOutputsParams(choice=["yes", "no"]))
+    )
     compiled.set_result(template)
     assert grammar.is_ready()
     # The request works on a copy: the cached template never advances.

@@ -33,20 +33,24 @@ SCHEMAS = [
         "properties": {
             "owner": {
                 "type": "object",
-                "properties": {"name": {"enum": ["ann", "bob"]}, "age": {"type": "integer",
-                                                                     "minimum": 1,
-                                                                     "maximum": 99}},
+                "properties": {
+                    "name": {"enum": ["ann", "bob"]},
+                    "age": {"type": "integer", "minimum": 1, "maximum": 99},
+                },
                 "required": ["name", "age"],
                 "additionalProperties": False,
             },
-            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1,
-                     "maxItems": 3},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
         },
         "required": ["owner", "tags"],
         "additionalProperties": False,
     },
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-     "minItems": 2, "maxItems": 4},
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 2,
+        "maxItems": 4,
+    },
 ]
 
 
@@ -55,10 +59,14 @@ def generate(llm, params, prompts=(PROMPT,)):
 
 
 def structured(max_tokens: int = 64, **kwargs) -> SamplingParams:
-    kind = {k: kwargs.pop(k) for k in list(kwargs) if k in
-            ("json", "regex", "choice", "grammar", "json_object")}
-    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**kind),
-                          **kwargs)
+    kind = {
+        k: kwargs.pop(k)
+        for k in list(kwargs)
+        if k in ("json", "regex", "choice", "grammar", "json_object")
+    }
+    return SamplingParams(
+        max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**kind), **kwargs
+    )
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "array"])
@@ -94,8 +102,7 @@ def test_unconstrained_requests_in_the_batch_are_unaffected(tiny_llm) -> None:
     (alone,) = generate(tiny_llm, plain)
     outs = generate(
         tiny_llm,
-        [structured(json=SCHEMAS[0], temperature=0), plain, structured(choice=["x", "y"]),
-         plain],
+        [structured(json=SCHEMAS[0], temperature=0), plain, structured(choice=["x", "y"]), plain],
         prompts=[PROMPT] * 4,
     )
     assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
@@ -126,8 +133,10 @@ def test_a_complete_grammar_ends_requests_that_ignore_eos_and_beats_min_tokens(t
     failed step)."""
     outs = generate(
         tiny_llm,
-        [structured(choice=["ok"], ignore_eos=True, temperature=1.0),
-         structured(choice=["ok"], min_tokens=5, temperature=1.0, logprobs=1)],
+        [
+            structured(choice=["ok"], ignore_eos=True, temperature=1.0),
+            structured(choice=["ok"], min_tokens=5, temperature=1.0, logprobs=1),
+        ],
         prompts=[PROMPT] * 2,
     )
     (ok,) = tiny_llm.get_tokenizer().encode("ok", add_special_tokens=False)
@@ -139,8 +148,9 @@ def test_a_complete_grammar_ends_requests_that_ignore_eos_and_beats_min_tokens(t
 
 def test_an_invalid_schema_is_refused_before_anything_is_queued(tiny_llm) -> None:
     with pytest.raises(ValueError, match=r"structured_outputs\.json is invalid: Invalid type"):
-        generate(tiny_llm, [SamplingParams(), structured(json={"type": "nope"})],
-                 prompts=[PROMPT] * 2)
+        generate(
+            tiny_llm, [SamplingParams(), structured(json={"type": "nope"})], prompts=[PROMPT] * 2
+        )
     engine = tiny_llm.llm_engine
     assert not engine.has_unfinished_requests()
     engine.scheduler.check_integrity()

@@ -87,8 +87,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or scope["method"] == "OPTIONS"):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -127,15 +126,26 @@ def build_app(
         finally:
             await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="octavo", version=octavo.__version__, lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="octavo",
+        version=octavo.__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.async_engine = async_engine
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials=False,
+        )
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
@@ -147,8 +157,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        card = ModelCard(id=context.model_name, root=engine_config.model,
-                         max_model_len=context.max_model_len)
+        card = ModelCard(
+            id=context.model_name, root=engine_config.model, max_model_len=context.max_model_len
+        )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.post("/tokenize")

@@ -22,8 +22,13 @@ from octavo.entrypoints.server.errors import bad_request, param_in_message
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Request fields a rendering error may be about (the first one its message names).
-_PARAMS = {"messages", "tools", "chat_template_kwargs", "continue_final_message",
-           "add_generation_prompt"}
+_PARAMS = {
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_generation_prompt",
+}
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,9 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
         converted = {**message, "content": _content_text(message.get("content"), index, role)}
         if message.get("tool_calls") is not None:
             if role != "assistant":
-                raise bad_request(f"messages[{index}]: only assistant messages have tool_calls.",
-                                  "messages")
+                raise bad_request(
+                    f"messages[{index}]: only assistant messages have tool_calls.", "messages"
+                )
             converted["tool_calls"] = _tool_calls(message["tool_calls"], index)
         checked.append(converted)
     return checked
@@ -113,8 +119,9 @@ def _content_text(content: Any, index: int, role: str) -> str:
                     "messages",
                 )
             if not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: a text part needs 'text'.",
-                                  "messages")
+                raise bad_request(
+                    f"messages[{index}].content: a text part needs 'text'.", "messages"
+                )
             parts.append(part["text"])
         return "\n".join(parts)
     raise bad_request(
@@ -136,8 +143,14 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments)
             except ValueError:
-                raise bad_request(f"{where}.function.arguments is not valid JSON.",
-                                  "messages") from None
-        converted.append({**call, "type": call.get("type", "function"),
-                          "function": {**function, "arguments": arguments}})
+                raise bad_request(
+                    f"{where}.function.arguments is not valid JSON.", "messages"
+                ) from None
+        converted.append(
+            {
+                **call,
+                "type": call.get("type", "function"),
+                "function": {**function, "arguments": arguments},
+            }
+        )
     return converted

@@ -104,7 +104,7 @@ class OpenAIServingChat:
         if tool_setup.structured_outputs is not None:
             if params.structured_outputs is not None:
                 raise bad_request(
-                    "tool_choice \"required\" or a named function cannot be combined with "
+                    'tool_choice "required" or a named function cannot be combined with '
                     "another output constraint (response_format, structured_outputs).",
                     "tool_choice",
                 )
@@ -142,8 +142,7 @@ class _Run:
         self.created = int(time.time())
         self.usage = PromptUsage(len(engine_request.prompt.prompt_token_ids))
         self.choices = [
-            _Choice(parser=None if make_parser is None else make_parser())
-            for _ in range(request.n)
+            _Choice(parser=None if make_parser is None else make_parser()) for _ in range(request.n)
         ]
         self.num_top_logprobs = request.top_logprobs or 0
 
@@ -185,15 +184,17 @@ class _Run:
         choices = []
         for index, choice in enumerate(self.choices):
             message, finish_reason = _final_message(choice)
-            choices.append(ChatCompletionChoice(
-                index=index,
-                message=message,
-                logprobs=None if choice.logprobs is None else ChatChoiceLogprobs(
-                    content=choice.logprobs
-                ),
-                finish_reason=finish_reason,
-                stop_reason=choice.stop_reason,
-            ))
+            choices.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=message,
+                    logprobs=None
+                    if choice.logprobs is None
+                    else ChatChoiceLogprobs(content=choice.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -204,7 +205,9 @@ class _Run:
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.context.model_name,
+            id=self.request_id,
+            created=self.created,
+            model=self.context.model_name,
             choices=[choice],
         )
 
@@ -236,9 +239,15 @@ class _Run:
                 )
                 yield sse(self._chunk(chunk), exclude)
             if include_usage:
-                yield sse(ChatCompletionChunk(id=self.request_id, created=self.created,
-                                              model=self.context.model_name, choices=[],
-                                              usage=self._usage()))
+                yield sse(
+                    ChatCompletionChunk(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.context.model_name,
+                        choices=[],
+                        usage=self._usage(),
+                    )
+                )
         except Exception as exc:
             yield sse(engine_error_body(exc))
         yield SSE_DONE
@@ -265,8 +274,7 @@ def _final_message(choice: _Choice) -> tuple[ChatMessage, str | None]:
 def _stream_delta(choice: _Choice, completion: CompletionOutput) -> DeltaMessage | None:
     """What this output delta shows the client; None when there is nothing to show."""
     if choice.parser is None:
-        if (not completion.text and not completion.token_ids
-                and completion.finish_reason is None):
+        if not completion.text and not completion.token_ids and completion.finish_reason is None:
             return None
         return DeltaMessage(content=completion.text)
     update = choice.parser.feed(completion.text)
@@ -275,8 +283,9 @@ def _stream_delta(choice: _Choice, completion: CompletionOutput) -> DeltaMessage
     if not update.content and not update.tool_calls:
         return None
     choice.called = choice.called or bool(update.tool_calls)
-    return DeltaMessage(content=update.content or None,
-                        tool_calls=_delta_tool_calls(update.tool_calls) or None)
+    return DeltaMessage(
+        content=update.content or None, tool_calls=_delta_tool_calls(update.tool_calls) or None
+    )
 
 
 def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:

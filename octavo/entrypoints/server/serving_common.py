@@ -48,9 +48,25 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 _MIN_LOGPROB = -9999.0
 
 SAMPLING_FIELDS = {
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens",
-    "min_tokens", "logprobs", "ignore_eos", "prompt", "messages", "structured_outputs",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "ignore_eos",
+    "prompt",
+    "messages",
+    "structured_outputs",
 }
 
 
@@ -95,7 +111,9 @@ async def parse_body(request: Request, model_type: type[ModelT], limit_bytes: in
 
 def _too_large(limit_bytes: int) -> OpenAIError:
     return OpenAIError(
-        413, f"The request body exceeds the limit of {limit_bytes} bytes.", None,
+        413,
+        f"The request body exceeds the limit of {limit_bytes} bytes.",
+        None,
         "request_too_large",
     )
 
@@ -151,8 +169,13 @@ def make_sampling_params(
         structured_outputs=structured_outputs_params(context, request),
     )
     # Unset optional knobs keep SamplingParams' defaults (vLLM's), not None.
-    optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=top_k,
-                    min_p=request.min_p, repetition_penalty=request.repetition_penalty)
+    optional = dict(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+    )
     fields.update({k: v for k, v in optional.items() if v is not None})
     try:
         return SamplingParams(**fields)
@@ -186,8 +209,11 @@ def structured_outputs_params(
         param = "structured_outputs"
         try:
             params = StructuredOutputsParams(
-                json=requested.json_, regex=requested.regex, choice=requested.choice,
-                grammar=requested.grammar, json_object=requested.json_object,
+                json=requested.json_,
+                regex=requested.regex,
+                choice=requested.choice,
+                grammar=requested.grammar,
+                json_object=requested.json_object,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param) from None

@@ -89,9 +89,11 @@ class OpenAIServingCompletion:
                 EngineRequest(f"{request_id}-{index}", processed, params, arrival_time)
             )
             if request.echo:
-                echoes.append(processed.prompt if processed.prompt is not None else
-                              context.async_engine.engine.tokenizer.decode(
-                                  processed.prompt_token_ids))
+                echoes.append(
+                    processed.prompt
+                    if processed.prompt is not None
+                    else context.async_engine.engine.tokenizer.decode(processed.prompt_token_ids)
+                )
         run = _Run(context, request, request_id, engine_requests, echoes)
         if request.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
@@ -107,8 +109,9 @@ def _check_unsupported(request: CompletionRequest) -> None:
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported.", "best_of")
     if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which are not supported.",
-                          "echo")
+        raise bad_request(
+            "echo with logprobs needs prompt logprobs, which are not supported.", "echo"
+        )
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
@@ -231,9 +234,15 @@ class _Run:
                 )
                 yield sse(chunk, exclude)
             if include_usage:
-                yield sse(CompletionChunk(id=self.request_id, created=self.created,
-                                          model=self.context.model_name, choices=[],
-                                          usage=self._usage()))
+                yield sse(
+                    CompletionChunk(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.context.model_name,
+                        choices=[],
+                        usage=self._usage(),
+                    )
+                )
         except Exception as exc:
             yield sse(engine_error_body(exc))
         yield SSE_DONE

@@ -38,7 +38,11 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def forward(
-        self, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
         metadata: AttentionMetadata,
     ) -> Tensor:
         """query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads,

@@ -46,13 +46,18 @@ def sdpa_attention(
     output = query.new_empty(query.shape)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_idx)
-        output.index_copy_(
-            0, decode.token_idx, _decode(decode_query, kv_cache, metadata, scale)
-        )
+        output.index_copy_(0, decode.token_idx, _decode(decode_query, kv_cache, metadata, scale))
     if prefill is not None:
         kernels.paged_prefill_attention(
-            output, query, kv_cache[0], kv_cache[1], prefill.block_table, prefill.query_start,
-            prefill.query_lens, prefill.seq_lens, scale,
+            output,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            prefill.block_table,
+            prefill.query_start,
+            prefill.query_lens,
+            prefill.seq_lens,
+            scale,
         )
         return output if output.dtype == dtype else output.to(dtype)
     key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)

@@ -125,8 +125,11 @@ def _load() -> bool:
             logger.info("built the CPU kernels in %.1f s (%s)", elapsed, build_dir)
         return True
     except Exception as exc:  # no compiler, no ninja, read-only home: fall back, say why
-        logger.warning("CPU kernels unavailable (%s: %s); using torch ops", type(exc).__name__,
-                       str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning(
+            "CPU kernels unavailable (%s: %s); using torch ops",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         return False
 
 
@@ -134,8 +137,12 @@ def _load() -> bool:
 
 
 def paged_decode_attention(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-    seq_lens: Tensor, scale: float,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
 ) -> Tensor:
     """query: (num_seqs, num_heads, head_dim); key_cache, value_cache: (num_blocks, block_size,
     num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
@@ -153,8 +160,12 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_reference(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-    seq_lens: Tensor, scale: float,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
 ) -> Tensor:
     """The same contract in plain torch, one sequence at a time, softmax in float32."""
     num_heads, block_size = query.shape[1], key_cache.shape[1]
@@ -173,8 +184,15 @@ def paged_decode_attention_reference(
 
 
 def paged_prefill_attention(
-    out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-    query_start: Tensor, query_lens: Tensor, seq_lens: Tensor, scale: float,
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    seq_lens: Tensor,
+    scale: float,
 ) -> None:
     """Causal attention for chunks of several query tokens, over keys read from the paged
     cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
@@ -191,8 +209,15 @@ def paged_prefill_attention(
 
 
 def paged_prefill_attention_reference(
-    out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-    query_start: Tensor, query_lens: Tensor, seq_lens: Tensor, scale: float,
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    seq_lens: Tensor,
+    scale: float,
 ) -> None:
     """The same contract in plain torch, one chunk at a time, softmax in float32."""
     num_heads, block_size = query.shape[1], key_cache.shape[1]
@@ -216,6 +241,7 @@ def reads_cache_dtype(dtype: torch.dtype) -> bool:
 
 # --- packed linear ------------------------------------------------------------------------------
 
+
 def panel_width() -> int:
     """Output columns per packed panel: two of the kernel's vectors (32 where the build has
     AVX-512, else 16); packed weights must be laid out for the kernel that reads them."""
@@ -230,7 +256,8 @@ def _bf16_panel_order(width: int) -> list[int]:
 
 
 def packed_layout(
-    weight: Tensor, allow_bf16: bool = True,
+    weight: Tensor,
+    allow_bf16: bool = True,
 ) -> tuple[tuple[int, int, int], torch.dtype] | None:
     """The (shape, dtype) `pack_linear_weight` gives this weight, or None where it gives none:
     (ceil(n / w), k, w) for an (n, k) weight, w = panel_width(); bfloat16 (half the bytes) when
@@ -247,7 +274,9 @@ def packed_layout(
 
 
 def pack_linear_weight(
-    weight: Tensor, allow_bf16: bool = True, out: Tensor | None = None,
+    weight: Tensor,
+    allow_bf16: bool = True,
+    out: Tensor | None = None,
 ) -> Tensor | None:
     """The weight (n, k) of a CPU linear layer packed for `packed_linear`, laid out as
     `packed_layout` says: panel p holds output columns wp..wp+w-1 (zero rows pad n). Written
@@ -305,9 +334,7 @@ def _torch_is_faster(packed_s: float, torch_s: float, margin: float = CALIBRATIO
     return torch_s * (1 + margin) < packed_s
 
 
-def time_interleaved(
-    runs: dict[str, Callable[[], object]], repeats: int
-) -> dict[str, list[float]]:
+def time_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
     """Seconds of each call of each named function over `repeats` rounds that run them all in
     turn, so that the machine's drift hits every one alike (one warm-up call each first)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -344,8 +371,13 @@ def calibrate_packed_max_rows(weight: Tensor, packed: Tensor, repeats: int = 5) 
     override = os.environ.get("OCTAVO_PACKED_MAX_ROWS", "")
     if override:
         return int(override)
-    key = ("packed_max_rows", tuple(weight.shape), weight.dtype, packed.dtype,
-           torch.get_num_threads())
+    key = (
+        "packed_max_rows",
+        tuple(weight.shape),
+        weight.dtype,
+        packed.dtype,
+        torch.get_num_threads(),
+    )
     if key not in _state:
         timings = []
         for rows in CALIBRATION_ROWS:
@@ -361,7 +393,9 @@ def calibrate_packed_max_rows(weight: Tensor, packed: Tensor, repeats: int = 5) 
         _state[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
         logger.info(
             "%d x %d weight: packed matmul up to %d rows, torch's GEMM above (%s)",
-            weight.shape[0], weight.shape[1], _state[key],
+            weight.shape[0],
+            weight.shape[1],
+            _state[key],
             ", ".join(f"{rows} rows {p * 1e3:.2f} vs {t * 1e3:.2f} ms" for rows, p, t in timings),
         )
     return int(_state[key])
@@ -458,8 +492,15 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
 
 
 def decode_layer(
-    hidden: Tensor, residual: Tensor, layer_args: tuple, cos: Tensor, sin: Tensor,
-    kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+    hidden: Tensor,
+    residual: Tensor,
+    layer_args: tuple,
+    cos: Tensor,
+    sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
 ) -> Tensor:
     """One Llama-style decoder layer over rows that are all single-token decodes, as one call of
     the kernels above in the order the model's Python layer makes them (same results).

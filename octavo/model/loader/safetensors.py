@@ -70,7 +70,7 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     yield name, handle.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot read tensors ({exc}).") from None

@@ -60,7 +60,7 @@ class NamedToolParser(ToolParser):
             update.tool_calls.append(ToolCallDelta(0, make_tool_call_id(), self.name, ""))
         # Trailing whitespace waits: the non-streamed arguments are stripped.
         fragment = text.rstrip()
-        self._pending_space = text[len(fragment):]
+        self._pending_space = text[len(fragment) :]
         if fragment:
             update.tool_calls.append(ToolCallDelta(0, arguments=fragment))
         return update
@@ -88,9 +88,11 @@ class RequiredToolsParser(ToolParser):
         except ValueError:
             value = None
         valid = (
-            isinstance(value, list) and len(value) == len(merged.tool_calls) > 0
-            and all(isinstance(item, dict) and set(item) == {"name", "parameters"}
-                    for item in value)
+            isinstance(value, list)
+            and len(value) == len(merged.tool_calls) > 0
+            and all(
+                isinstance(item, dict) and set(item) == {"name", "parameters"} for item in value
+            )
         )
         if not valid:
             return ExtractedToolCalls(text or None, [])
@@ -105,12 +107,12 @@ class RequiredToolsParser(ToolParser):
                 assert self._streamer is not None
                 scan = scan_object(text, self._pos)
                 if scan.end is None and not scan.malformed:
-                    update.tool_calls.extend(self._streamer.update(text[self._pos:]))
+                    update.tool_calls.extend(self._streamer.update(text[self._pos :]))
                     return update
                 if scan.end is None:
                     self._state = "done"  # not JSON: `extract` reports the answer as content
                     return update
-                deltas, valid = self._streamer.close(text[self._pos:scan.end])
+                deltas, valid = self._streamer.close(text[self._pos : scan.end])
                 update.tool_calls.extend(deltas)
                 if valid or self._streamer.started:
                     self._num_calls += 1

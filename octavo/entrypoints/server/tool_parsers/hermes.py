@@ -65,7 +65,7 @@ class HermesToolParser(ToolParser):
         pos = 0
         after_call = False
         for match in _BLOCK.finditer(text):
-            before = text[pos:match.start()]
+            before = text[pos : match.start()]
             content.append(before.lstrip() if after_call else before)
             parsed = parse_call(match.group(1))
             if parsed is None:
@@ -99,24 +99,27 @@ class HermesToolParser(ToolParser):
             if self._block is None:
                 start = text.find(START, self._pos)
                 if start == -1:
-                    end = len(text) if final else len(text) - held_back(text[self._pos:], START)
-                    self._content(text[self._pos:end], update, before_call=False)
+                    end = len(text) if final else len(text) - held_back(text[self._pos :], START)
+                    self._content(text[self._pos : end], update, before_call=False)
                     # Forget handled text, so a long answer without calls costs linear time.
                     self._text, self._pos = text[end:], 0
                     return update
-                self._content(text[self._pos:start], update, before_call=True)
+                self._content(text[self._pos : start], update, before_call=True)
                 self._block = CallStreamer(self._num_calls)
                 self._block_start = self._pos = start + len(START)
                 continue
             end = text.find(END, self._block_start)
             if end == -1 and not final:
-                body_end = len(text) - held_back(text[self._block_start:], END)
-                update.tool_calls.extend(self._block.update(text[self._block_start:body_end]))
+                body_end = len(text) - held_back(text[self._block_start :], END)
+                update.tool_calls.extend(self._block.update(text[self._block_start : body_end]))
                 return update
             body_end = len(text) if end == -1 else end
             block_end = len(text) if end == -1 else end + len(END)
-            self._close_block(text[self._block_start:body_end],
-                              text[self._block_start - len(START):block_end], update)
+            self._close_block(
+                text[self._block_start : body_end],
+                text[self._block_start - len(START) : block_end],
+                update,
+            )
             self._pos = block_end
 
     def _close_block(self, body: str, raw: str, update: DeltaUpdate) -> None:
@@ -145,7 +148,7 @@ class HermesToolParser(ToolParser):
         kept = text.rstrip()
         self._pending_space = ""
         if before_call:
-            self._space_before_block = text[len(kept):]
+            self._space_before_block = text[len(kept) :]
         else:
-            self._pending_space = text[len(kept):]
+            self._pending_space = text[len(kept) :]
         update.content += kept

@@ -146,13 +146,13 @@ class CallStreamer:
         deltas = []
         if not self.started:
             span = scan.members.get("name")
-            name = json.loads(text[span[0]:span[1]]) if span else None
+            name = json.loads(text[span[0] : span[1]]) if span else None
             if not isinstance(name, str) or not name or not (args_ok or checked):
                 return []
             self.name, self.id = name, make_tool_call_id()
             deltas.append(ToolCallDelta(self.index, self.id, name, ""))
         if args_ok:
-            fragment = text[args_start + self.num_args_sent:args_end]
+            fragment = text[args_start + self.num_args_sent : args_end]
             if fragment:
                 self.num_args_sent += len(fragment)
                 deltas.append(ToolCallDelta(self.index, arguments=fragment))
@@ -185,4 +185,4 @@ def parse_call(text: str, args_key: str = "arguments") -> tuple[str, str] | None
     if not isinstance(value[args_key], dict):
         return None
     span = scan_object(text).members[args_key]
-    return value["name"], text[span[0]:span[1]]
+    return value["name"], text[span[0] : span[1]]

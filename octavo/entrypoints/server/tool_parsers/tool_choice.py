@@ -45,8 +45,10 @@ class ToolServing:
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs "
-                             "tool_call_parser (--tool-call-parser).")
+            raise ValueError(
+                "enable_auto_tool_choice (--enable-auto-tool-choice) needs "
+                "tool_call_parser (--tool-call-parser)."
+            )
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,14 @@ def resolve_tools(
         if not (serving.enable_auto_tool_choice and serving.tool_call_parser):
             raise bad_request(
                 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice and '
-                "--tool-call-parser.", "tool_choice",
+                "--tool-call-parser.",
+                "tool_choice",
             )
         return ToolSetup(checked, get_tool_parser(serving.tool_call_parser))
     if tool_choice == "required":
-        schema = required_schema([tool.function.parameters for tool in tools],
-                                 [tool.function.name for tool in tools])
+        schema = required_schema(
+            [tool.function.parameters for tool in tools], [tool.function.name for tool in tools]
+        )
         return ToolSetup(checked, RequiredToolsParser, StructuredOutputsParams(json=schema))
     name = tool_choice.function.name
     match = [tool for tool in tools if tool.function.name == name]
@@ -127,9 +131,7 @@ def resolve_tools(
     return ToolSetup(checked, lambda: NamedToolParser(name), StructuredOutputsParams(json=schema))
 
 
-def required_schema(
-    parameters: list[dict[str, Any] | None], names: list[str]
-) -> dict[str, Any]:
+def required_schema(parameters: list[dict[str, Any] | None], names: list[str]) -> dict[str, Any]:
     """A non-empty array of calls, each `{"name": <one tool>, "parameters": <its schema>}`.
     Definitions (`$defs`) move to the root, where the tools' `#/$defs/...` refs now point."""
     branches = []
@@ -142,14 +144,17 @@ def required_schema(
                 if def_name in known and known[def_name] != definition:
                     raise bad_request(
                         f"tools: two tools define {key}/{def_name} differently; tool_choice "
-                        '"required" needs them to agree.', "tools",
+                        '"required" needs them to agree.',
+                        "tools",
                     )
                 known[def_name] = definition
-        branches.append({
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        })
+        branches.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     result: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
