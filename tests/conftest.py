@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 
-from octavo.model.kernels import PACKED_MAX_ROWS
+import pytest
 
-# Loading a model times the packed matmul kernel against torch's GEMM to pick which one takes
-# large batches. Tests keep the fixed default instead, so that which kernel runs does not depend
-# on how busy the machine is; tests/model/test_kernels.py covers the calibration itself.
-os.environ.setdefault("OCTAVO_PACKED_MAX_ROWS", str(PACKED_MAX_ROWS))
+from octavo.model.backends import select
+from octavo.model.cpu.calibration import PACKED_MAX_ROWS, MatmulCalibration
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_packed_max_rows() -> Iterator[None]:
+    """Loading a model times the packed matmul kernel against torch's GEMM to pick which one
+    takes large batches. Tests keep the fixed default instead (as the packed_max_rows setting
+    would), so that which kernel runs does not depend on how busy the machine is;
+    tests/model/test_kernels.py covers the calibration itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            select,
+            "MatmulCalibration",
+            lambda fixed_rows=None: MatmulCalibration(fixed_rows or PACKED_MAX_ROWS),
+        )
+        yield

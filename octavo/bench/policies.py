@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.admission import ADMISSION_POLICIES
 from octavo.core.outputs import ModelRunnerOutput
 from octavo.core.request import Request
 from octavo.core.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ from octavo.core.scheduler_output import SchedulerOutput
 
 EOS_TOKEN_ID = 2
 ANSWER_TOKEN_ID = 500
-POLICIES = ("current", "reserve", "ratio")
+POLICIES = tuple(ADMISSION_POLICIES)
 
 
 @dataclass(frozen=True)

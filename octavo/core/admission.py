@@ -296,15 +296,19 @@ class RatioPolicy(AdmissionPolicy):
         return min(max(num_used / num_max_tokens, self.min_ratio), 1.0)
 
 
+# `--admission` name -> policy: the one list of them (settings, CLI and benchmarks read it).
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    "current": CurrentPolicy,
+    "reserve": ReservePolicy,
+    "ratio": RatioPolicy,
+}
+
+
 def make_admission_policy(config: SchedulerConfig) -> AdmissionPolicy:
     """The policy a SchedulerConfig names, with its watermark and victim override."""
     overrides = {}
     if config.preempt_victim is not None:
         overrides["victim"] = VICTIM_RULES[config.preempt_victim]
-    if config.admission == "current":
-        return CurrentPolicy(config.watermark, **overrides)
-    if config.admission == "reserve":
-        return ReservePolicy(config.watermark, **overrides)
-    if config.admission == "ratio":
-        return RatioPolicy(config.watermark, **overrides)
-    raise ValueError(f"admission {config.admission!r} is not a known policy.")
+    if config.admission not in ADMISSION_POLICIES:
+        raise ValueError(f"admission {config.admission!r} is not a known policy.")
+    return ADMISSION_POLICIES[config.admission](config.watermark, **overrides)

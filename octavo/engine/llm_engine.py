@@ -25,7 +25,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from octavo.config import EngineArgs, EngineConfig
+from octavo.config import EngineArgs, EngineConfig, capacity_line
 from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import Request
 from octavo.core.sampling_params import SamplingParams
@@ -81,26 +81,26 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Resolve `args` against this machine and model, build the worker, log the resolved
+        configuration (the backend's choices included) as one JSON document and the KV
+        capacity line, and return the engine."""
         # Imported here so that `octavo.engine` stays importable without loading a model.
         from octavo.engine.tokenizer import load_tokenizer
-        from octavo.worker.setup import load_engine_parts
+        from octavo.worker.setup import build_model_runner, probe
 
-        parts = load_engine_parts(args)
-        tokenizer = load_tokenizer(parts.model_path, parts.config.chat_template)
-        runner = ModelRunner(
-            parts.model,
-            parts.model_config,
-            parts.config.cache,
-            parts.config.scheduler,
-            parts.device,
-            parts.kv_cache_dtype,
-        )
-        eos = parts.model_config.eos_token_ids or (
+        facts = probe(args)
+        config = args.create_engine_config(facts.platform, facts.model_config, facts.model_path)
+        runner, backend = build_model_runner(config)
+        config = dataclasses.replace(config, backend_choices=backend.describe())
+        logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
+        logger.info("resolved configuration: %s", config.to_json())
+        logger.info(capacity_line(config.cache, config.scheduler.max_model_len))
+        tokenizer = load_tokenizer(config.model, config.chat_template)
+        model_config = runner.model_config
+        eos = model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
-        engine = cls(
-            parts.config, runner, tokenizer, tuple(eos), dict(parts.model_config.sampling_defaults)
-        )
+        engine = cls(config, runner, tokenizer, tuple(eos), dict(model_config.sampling_defaults))
         # What start-up built (the libraries' objects, modules, tokenizer: ~300,000 for the
         # embedded model) lives as long as the engine. Frozen, the collector's full passes no
         # longer walk it: each took ~0.15 s on two cores, a pause in every stream, and 1-2% of a

@@ -7,106 +7,17 @@ import argparse
 import logging
 import sys
 
-from octavo.config import ADMISSION_POLICIES, DTYPES, PREEMPT_VICTIMS, EngineArgs
+from octavo.config import EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineArgs()
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    group.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
-    group.add_argument(
-        "--kv-cache-dtype",
-        default=defaults.kv_cache_dtype,
-        choices=list(DTYPES),
-        help="dtype of the KV cache (auto: the compute dtype); bfloat16 with "
-        "float32 compute halves each token's bytes",
-    )
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="at most this many prompt tokens of one request per step (0: no cap; default: "
-        "256 on a CPU, no cap elsewhere)",
-    )
-    group.add_argument("--kv-cache-tokens", type=int, default=None)
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    group.add_argument(
-        "--block-size",
-        type=int,
-        default=defaults.block_size,
-        help="tokens per KV cache block (default: 128 on a CPU, 16 elsewhere)",
-    )
-    group.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.enable_prefix_caching,
-    )
-    group.add_argument("--seed", type=int, default=defaults.seed)
-    group.add_argument("--device", default=defaults.device)
-    group.add_argument(
-        "--admission",
-        default=defaults.admission,
-        choices=list(ADMISSION_POLICIES),
-        help="what must be free before a request starts: current (vLLM: the next "
-        "chunk), reserve (TGI: prompt + max_tokens, never evicts), ratio "
-        "(SGLang: an adaptive share of max_tokens)",
-    )
-    group.add_argument(
-        "--watermark",
-        type=float,
-        default=defaults.watermark,
-        help="share of the KV pool kept free when a request is admitted",
-    )
-    group.add_argument(
-        "--preempt-victim",
-        default=defaults.preempt_victim,
-        choices=list(PREEMPT_VICTIMS),
-        help="whom to evict when a block is missing (default: the policy's)",
-    )
-    group.add_argument(
-        "--request-log",
-        default=defaults.request_log,
-        metavar="PATH",
-        help="append one JSON line per finished request (lengths, finish "
-        "reason, TTFT, largest token gap, evictions) to PATH",
-    )
-    group.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="PATH_OR_TEMPLATE",
-        help="Jinja chat template (a file, or the template text) that replaces the model's own",
-    )
+    """Every EngineArgs field as a flag (octavo/config.py holds their names, types, defaults
+    and help)."""
+    EngineArgs.add_cli_args(parser)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        dtype=ns.dtype,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        long_prefill_token_threshold=ns.long_prefill_token_threshold,
-        kv_cache_tokens=ns.kv_cache_tokens,
-        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
-        block_size=ns.block_size,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        seed=ns.seed,
-        device=ns.device,
-        admission=ns.admission,
-        watermark=ns.watermark,
-        preempt_victim=ns.preempt_victim,
-        request_log=ns.request_log,
-        chat_template=ns.chat_template,
-    )
+    return EngineArgs.from_cli_args(ns)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -120,11 +31,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the name clients use in `model` (default: from the model)",
-    )
     group.add_argument(
         "--api-key",
         default=None,
@@ -267,49 +173,26 @@ def make_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
     add_plan_args(plan)
 
-    convert = commands.add_parser(
+    # Listed for --help only: main() hands everything after `convert` to the converter, which
+    # parses its own flags (python -m octavo.model.convert --help).
+    commands.add_parser(
         "convert", help="GGUF -> Hugging Face folder (config.json, safetensors, tokenizer files)"
     )
-    add_convert_args(convert)
     return parser
 
 
-def add_convert_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("gguf", metavar="GGUF", help="the .gguf file to convert")
-    parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write (created if missing)")
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of the written weights (default: bfloat16)",
-    )
-    parser.add_argument(
-        "--format",
-        dest="fmt",
-        default="hf",
-        choices=["hf", "gguf"],
-        help="hf: config.json + model.safetensors + tokenizer files; "
-        "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)",
-    )
-
-
-def convert_command(ns: argparse.Namespace) -> list[str]:
+def convert_command(args: list[str]) -> list[str]:
     """The converter runs as its own program: the CLI does not import model code (DESIGN.md's
     dependency direction), and a conversion shares nothing with a running engine."""
-    return [
-        sys.executable,
-        "-m",
-        "octavo.model.convert",
-        ns.gguf,
-        ns.out_dir,
-        "--dtype",
-        ns.dtype,
-        "--format",
-        ns.fmt,
-    ]
+    return [sys.executable, "-m", "octavo.model.convert", *args]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert"]:
+        import subprocess
+
+        return subprocess.call(convert_command(argv[1:]))
     ns = make_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -320,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             from octavo.entrypoints.server.app import run_server
 
-            args = engine_args_from(ns)
-            args.model = ns.model_tag or ns.model
-            args.served_model_name = ns.served_model_name
+            args = EngineArgs.from_cli_args(ns, model=ns.model_tag or ns.model)
             return run_server(args, server_config_from(ns))
         if ns.command == "generate":
             from octavo.entrypoints.chat import run_generate
@@ -360,10 +241,6 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.plan import run_plan
 
             return run_plan(ns)
-        if ns.command == "convert":
-            import subprocess
-
-            return subprocess.call(convert_command(ns))
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

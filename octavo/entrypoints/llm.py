@@ -24,52 +24,12 @@ Conversation = list[Mapping[str, Any]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = EngineArgs.max_num_seqs,
-        max_num_batched_tokens: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        kv_cache_tokens: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        device: str = "auto",
-        admission: str = "current",
-        watermark: float = 0.0,
-        preempt_victim: str | None = None,
-        request_log: str | None = None,
-        chat_template: str | None = None,
-    ) -> None:
-        """`admission`, `watermark` and `preempt_victim` choose what must be free before a
-        request starts and whom to evict (see octavo/core/admission.py); `request_log` names
-        a JSON-lines file that gets one line per finished request; `chat_template` (a file or
-        the template text) replaces the model's chat template."""
-        args = EngineArgs(
-            model=model,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_cache_tokens=kv_cache_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            device=device,
-            admission=admission,
-            watermark=watermark,
-            preempt_victim=preempt_victim,
-            request_log=request_log,
-            chat_template=chat_template,
-        )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: an HF folder or .gguf file (None: the embedded default). Every other
+        keyword is an EngineArgs field, with the meaning and default of the flag of the same
+        name (octavo/config.py lists them: dtype, max_model_len, kv_cache_tokens, admission,
+        chat_template, ...); an unknown keyword is a TypeError."""
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -2,10 +2,11 @@
 
 Built once, from a Hugging Face `config.json` dict (plus `generation_config.json`) or from GGUF
 metadata, and frozen afterwards. Every architecture difference the model code needs (biases,
-per-head q/k norms, RoPE variant) is resolved here into plain fields, so model files never look
-at raw config dicts. This module must not import torch, the loader or anything that knows about
-requests: invalid or unsupported settings raise ValueError naming the key and its value, and the
-loader turns that into a ModelLoadError.
+per-head q/k norms, RoPE variant) is resolved here into plain fields, with what the
+architecture's ArchSpec (model/arch.py) fixes, so model files never look at raw config dicts.
+This module must not import torch, the loader or anything that knows about requests: invalid or
+unsupported settings raise ValueError naming the key and its value, and the loader turns that
+into a ModelLoadError.
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from octavo.model.arch import get_gguf_spec, get_spec
+
 logger = logging.getLogger(__name__)
 
 # RoPE variants whose inverse frequencies octavo computes (HF `rope_type` names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-# GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 @dataclass(frozen=True)
@@ -52,6 +48,8 @@ class ModelConfig:
     mlp_bias: bool
     # RMSNorm over head_dim applied to each q and k head before RoPE (Qwen3).
     qk_norm: bool
+    # The MLP's activation (HF's hidden_act name).
+    hidden_act: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # The dtype the checkpoint declares ("bfloat16", ...), for dtype="auto"; None if unknown.
@@ -98,14 +96,14 @@ class ModelConfig:
     ) -> ModelConfig:
         """Resolve an HF config dict (transformers 4 or 5 layout) into a ModelConfig.
 
-        Raises ValueError for a missing `architectures` entry, an unsupported activation or
-        RoPE type, or inconsistent head counts. The architecture itself is not checked here
-        (the registry decides what can be built).
+        Raises ValueError for a missing `architectures` entry, an unsupported architecture,
+        activation or RoPE type, or inconsistent head counts.
         """
         architectures = config.get("architectures") or []
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         architecture = architectures[0]
+        spec = get_spec(architecture)
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu').")
@@ -114,10 +112,9 @@ class ModelConfig:
         hidden_size = _required(config, "hidden_size")
         rope_theta, rope_scaling = _resolve_rope(config)
         attention_bias = bool(config.get("attention_bias", False))
-        attention_out_bias = attention_bias
-        if architecture == "Qwen2ForCausalLM":
-            # Qwen2 always has q/k/v biases and never an o_proj bias; its config has no flag.
-            attention_bias, attention_out_bias = True, False
+        if spec.qkv_bias is not None:
+            attention_bias = spec.qkv_bias
+        attention_out_bias = attention_bias if spec.o_proj_bias is None else spec.o_proj_bias
 
         generation_config = generation_config or {}
         # generation_config.json is what HF's generate() stops on; config.json is the fallback.
@@ -140,7 +137,8 @@ class ModelConfig:
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=spec.qk_norm,
+            hidden_act=hidden_act,
             bos_token_id=bos,
             eos_token_ids=_as_id_tuple(eos),
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
@@ -161,11 +159,7 @@ class ModelConfig:
         `output.weight`). Raises ValueError for an unsupported `general.architecture`.
         """
         arch = metadata.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"GGUF architecture {arch!r} is not supported "
-                f"(supported: {', '.join(GGUF_ARCHITECTURES)})."
-            )
+        spec = get_gguf_spec(arch)
 
         def get(key: str, default: Any = None) -> Any:
             return metadata.get(f"{arch}.{key}", default)
@@ -174,7 +168,7 @@ class ModelConfig:
             raise ValueError("GGUF file has no token_embd.weight tensor.")
         # Missing keys stay None here; from_hf_config names the first required one absent.
         hf: dict[str, Any] = {
-            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "architectures": [spec.name],
             "vocab_size": get("vocab_size") or tensor_shapes["token_embd.weight"][0],
             "hidden_size": get("embedding_length"),
             "intermediate_size": get("feed_forward_length"),

@@ -31,6 +31,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 from torch import Tensor
 
+from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import open_gguf_checkpoint
@@ -40,13 +41,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FORMATS = ("hf", "gguf")
 
-# HF architecture -> config.json `model_type`.
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 # generation_config.json key for each SamplingParams default (ModelConfig keeps vLLM's names).
 _GENERATION_KEYS = {"max_tokens": "max_new_tokens"}
 # dtype -> (GGUF tensor type, GGUF file type) for --format gguf.
@@ -101,20 +95,14 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
     """config.json for `config` in the transformers 4 layout (`rope_theta`, `rope_scaling`,
     `torch_dtype`), which transformers 5 and vLLM read as well. Raises ModelLoadError where
     transformers has no field for what the model does."""
-    model_type = _MODEL_TYPES.get(config.architecture)
-    if model_type is None:
-        raise ModelLoadError(f"cannot write a config.json for {config.architecture}.")
-    if model_type in ("llama", "mistral", "qwen3") and (
-        config.attention_bias != config.attention_out_bias
-    ):
-        # These configs have one `attention_bias` flag for q/k/v and o_proj alike.
-        raise ModelLoadError(
-            f"{config.architecture} with attention_bias={config.attention_bias} but "
-            f"o_proj bias={config.attention_out_bias} has no transformers config."
-        )
+    try:
+        spec = get_spec(config.architecture)
+        extras = spec.hf_config_extras(config)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot write a config.json: {exc}") from None
     hf: dict[str, Any] = {
         "architectures": [config.architecture],
-        "model_type": model_type,
+        "model_type": spec.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -122,7 +110,7 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
@@ -135,12 +123,7 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "bos_token_id": config.bos_token_id,
         "eos_token_id": _eos_value(config.eos_token_ids),
     }
-    if model_type == "qwen2":
-        hf["use_sliding_window"] = False
-    else:
-        hf["attention_bias"] = config.attention_bias
-    if model_type in ("llama", "mistral"):
-        hf["mlp_bias"] = config.mlp_bias
+    hf.update(extras)
     return hf
 
 

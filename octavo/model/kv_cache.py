@@ -23,6 +23,7 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    huge_pages: bool = True,
 ) -> list[Tensor]:
     """num_hidden_layers zero-filled tensors of (2, num_blocks, block_size, num_kv_heads,
     head_dim). Zeros, not empty: backends read padded slots under a mask, and uninitialised
@@ -34,10 +35,7 @@ def allocate_kv_cache(
             f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}."
         )
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [memory.empty(shape, dtype, device).zero_() for _ in range(config.num_hidden_layers)]
-
-
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one token's K and V take across all layers."""
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    return config.num_hidden_layers * per_layer
+    return [
+        memory.empty(shape, dtype, device, huge_pages).zero_()
+        for _ in range(config.num_hidden_layers)
+    ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 
 import torch
 from torch import Tensor
@@ -24,20 +23,22 @@ HUGE_PAGE_BYTES = 2 << 20
 
 def huge_pages_supported(device: torch.device | str = "cpu") -> bool:
     """Whether `empty` can ask for huge pages here: CPU tensors on a system with madvise's
-    MADV_HUGEPAGE, unless OCTAVO_DISABLE_HUGE_PAGES=1."""
-    return (
-        torch.device(device).type == "cpu"
-        and hasattr(mmap, "MADV_HUGEPAGE")
-        and os.environ.get("OCTAVO_DISABLE_HUGE_PAGES", "0") != "1"
-    )
+    MADV_HUGEPAGE."""
+    return torch.device(device).type == "cpu" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+def empty(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    huge_pages: bool = True,
+) -> Tensor:
     """An uninitialised contiguous tensor like torch.empty(shape, dtype=dtype, device=device),
     on CPU in anonymous memory marked for transparent huge pages and starting on a 2 MiB
-    boundary. The tensor keeps its mapping alive; the mapping is freed with the tensor."""
+    boundary (unless `huge_pages` is False: the `huge_pages` setting). The tensor keeps its
+    mapping alive; the mapping is freed with the tensor."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE_BYTES or not huge_pages_supported(device):
+    if not huge_pages or nbytes < HUGE_PAGE_BYTES or not huge_pages_supported(device):
         return torch.empty(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -53,6 +54,7 @@ def empty_many(
     specs: list[tuple[tuple[int, ...], torch.dtype]],
     device: torch.device | str = "cpu",
     align: int = 64,
+    huge_pages: bool = True,
 ) -> list[Tensor]:
     """Uninitialised contiguous tensors of the given (shape, dtype)s laid one after another (each
     on an `align`-byte boundary) in one `empty` allocation, so that many tensors below 2 MiB
@@ -61,7 +63,7 @@ def empty_many(
     for shape, dtype in specs:
         offsets.append(end)
         end += -(-math.prod(shape) * dtype.itemsize // align) * align
-    arena = empty((end,), torch.uint8, device)
+    arena = empty((end,), torch.uint8, device, huge_pages)
     return [
         arena[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         for (shape, dtype), offset in zip(specs, offsets)

@@ -1,4 +1,8 @@
-"""Device and dtype choice, and how much memory the KV cache may take by default."""
+"""The machine as the engine sees it: the torch device, native bfloat16, the default KV budget.
+
+`probe_platform` turns these into PlatformInfo, plain data from which octavo.config resolves
+the settings; `TORCH_DTYPES` maps the resolved dtype names back to torch's.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import os
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from octavo.config import PlatformInfo
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Default KV budget on a CPU host: a share of available memory, capped (vLLM's CPU backend
 # defaults to 4 GiB of KV space).
@@ -28,6 +34,21 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def probe_platform(device: str) -> PlatformInfo:
+    """The facts octavo.config needs about the machine for the `device` setting."""
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        native = "GPU" if torch.cuda.is_bf16_supported() else ""
+    else:
+        native = ", ".join(sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}))
+    return PlatformInfo(
+        device=str(resolved),
+        device_type=resolved.type,
+        native_bf16=native,
+        default_kv_cache_bytes=default_kv_cache_bytes(resolved),
+    )
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -37,20 +58,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """Returns the dtype and the reason for it (logged at start-up)."""
-    if dtype != "auto":
-        return _DTYPES[dtype], f"dtype={dtype} was asked for"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "auto: the GPU supports bfloat16"
-        return torch.float16, "auto: the GPU lacks bfloat16, float16 instead"
-    native = cpu_flags() & {"avx512_bf16", "amx_bf16"}
-    if native:
-        return torch.bfloat16, f"auto: the CPU has native bfloat16 ({', '.join(sorted(native))})"
-    return torch.float32, "auto: the CPU has no native bfloat16 (no AVX512-BF16/AMX), so float32"
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -16,8 +16,9 @@ from torch import nn
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
 from octavo.core.scheduler_output import SchedulerOutput
-from octavo.model import kernels
 from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.backends import ModelBackend
+from octavo.model.backends.base import AttentionPlan
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.sample.metadata import SamplingMetadata
@@ -30,7 +31,8 @@ from octavo.worker.input_batch import InputBatch
 class StepInputs:
     input_ids: torch.Tensor  # (num_tokens,) int64
     positions: torch.Tensor  # (num_tokens,) int64
-    attn_metadata: AttentionMetadata
+    # The attention backend's plan of this step's AttentionMetadata, shared by every layer.
+    attn_plan: AttentionPlan
     # Batch rows scheduled this step, in flat-batch order.
     scheduled_rows: list[int]
     # Rows (subset of scheduled_rows) whose last scheduled token is sampled, and the flat index
@@ -48,28 +50,30 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
-        device: torch.device,
-        kv_cache_dtype: torch.dtype,
+        backend: ModelBackend,
     ) -> None:
+        """`model` was built and loaded with `backend` (model.loader.load_model)."""
         self.model = model
         self.model_config = model_config
+        self.backend = backend
         self.block_size = cache_config.block_size
-        self.device = device
+        self.device = backend.device
         self.vocab_size = model_config.vocab_size
         self.kv_caches = allocate_kv_cache(
-            model_config, cache_config.num_blocks, cache_config.block_size, kv_cache_dtype, device
+            model_config,
+            cache_config.num_blocks,
+            cache_config.block_size,
+            backend.kv_cache_dtype,
+            backend.device,
+            backend.huge_pages,
         )
-        # The paged attention kernels read float32 and bfloat16 caches; others (float16) go
-        # through gathered blocks and SDPA.
-        self.paged_kernels = None if kernels.reads_cache_dtype(kv_cache_dtype) else False
         max_model_len = scheduler_config.max_model_len
         max_blocks_per_req = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, max_model_len, max_blocks_per_req
         )
         # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass.
-        use_kernel = device.type == "cpu" and kernels.vectorized()
-        self.sampler = Sampler(draw=kernels.sample_categorical if use_kernel else None)
+        self.sampler = Sampler(draw=backend.draw)
         # Seeded requests keep their generator across preemptions, so a preempted request
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}
@@ -85,7 +89,7 @@ class ModelRunner:
             inputs.input_ids,
             inputs.positions,
             self.kv_caches,
-            inputs.attn_metadata,
+            inputs.attn_plan,
             inputs.logits_indices,
         )
         logits = self.model.compute_logits(hidden_states)
@@ -149,12 +153,11 @@ class ModelRunner:
             slot_mapping=self._to_device(np.concatenate(slot_chunks)),
             block_table=self._to_device(block_table),
             block_size=self.block_size,
-            paged_kernels=self.paged_kernels,
         )
         return StepInputs(
             input_ids=self._to_device(np.concatenate(token_chunks)),
             positions=self._to_device(np.concatenate(position_chunks)),
-            attn_metadata=attn_metadata,
+            attn_plan=self.backend.attention.plan(attn_metadata),
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
             logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),

@@ -1,8 +1,8 @@
 """Fixtures for engine tests on the embedded SmolLM2-135M-Instruct in float32.
 
 Loading the GGUF and building its tokenizer takes seconds, so both are loaded once per session
-and shared by every engine the tests build (the model holds no per-request state: the KV cache
-belongs to each engine's runner).
+and shared by every engine the tests build with the same backend choices (the model holds no
+per-request state: the KV cache belongs to each engine's runner).
 """
 
 from __future__ import annotations
@@ -16,10 +16,37 @@ import octavo.worker.setup as setup_module
 from octavo import LLM
 
 
+def _shared_load_model():
+    """load_model, once per path and backend choice: a later engine with the same choices gets
+    the model built first, and its backend the first one's record of what it prepared."""
+    load_model = setup_module.load_model
+    loaded = {}
+
+    def load(path, backend):
+        key = (
+            path,
+            backend.dtype,
+            backend.kv_cache_dtype,
+            backend.attention.name,
+            backend.ops.name,
+            backend.kernels,
+        )
+        if key not in loaded:
+            loaded[key] = load_model(path, backend), backend
+        result, first = loaded[key]
+        backend.weights_report, backend.fused_decode_layer = (
+            first.weights_report,
+            first.fused_decode_layer,
+        )
+        return result
+
+    return load
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _share_weights_and_tokenizer():
     patch = pytest.MonkeyPatch()
-    patch.setattr(setup_module, "load_model", functools.lru_cache(setup_module.load_model))
+    patch.setattr(setup_module, "load_model", _shared_load_model())
     patch.setattr(
         tokenizer_module, "load_tokenizer", functools.lru_cache(tokenizer_module.load_tokenizer)
     )

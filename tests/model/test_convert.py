@@ -25,7 +25,7 @@ from octavo.model.config import ModelConfig
 from octavo.model.loader import ModelLoadError, build_model, find_default_model, load_model
 from octavo.model.loader.gguf import open_gguf_checkpoint
 
-from .tiny import PagedHarness, hf_logits, make_tiny_hf_model, write_tiny_gguf
+from .tiny import PagedHarness, cpu_backend, hf_logits, make_tiny_hf_model, write_tiny_gguf
 
 # Prompts of the embedded-model tests in test_models_vs_transformers.py (one chat, one plain).
 PROMPTS = [
@@ -129,7 +129,7 @@ def test_rope_scaling_reaches_transformers(tmp_path, rope_scaling):
     """(The tiny GGUFs carry no RoPE scaling keys, so config.json is checked on its own.)"""
     hf_model = make_tiny_hf_model("llama", seed=9, rope_scaling=rope_scaling)
     hf_model.save_pretrained(tmp_path / "original")
-    config, _ = load_model(str(tmp_path / "original"), torch.float32, "cpu")[1], None
+    config = load_model(str(tmp_path / "original"), cpu_backend())[1]
     written = convert.hf_config_dict(config, "float32")
     (tmp_path / "config.json").write_text(json.dumps(written))
     reread = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -214,26 +214,29 @@ def test_octavo_convert_command_writes_a_float_gguf(tmp_path):
 # ---------------------------------------------------------------------- the embedded model
 
 
-def octavo_logits(model, token_ids: list[int]) -> torch.Tensor:
+def octavo_logits(model, backend, token_ids: list[int]) -> torch.Tensor:
     """(len(token_ids), vocab) logits of octavo's model, the whole sequence as one prefill."""
-    return PagedHarness(model, num_blocks=32, block_size=4).step({"r": token_ids})["r"]
+    return PagedHarness(model, backend, num_blocks=32, block_size=4).step({"r": token_ids})["r"]
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     """The embedded GGUF dequantised once: its config, float32 weights, octavo model on them
-    (what octavo serves the GGUF with), tokenizer, and the float32 / bfloat16 folders."""
+    (what octavo serves the GGUF with) and its backend, tokenizer, and the float32 / bfloat16
+    folders."""
     path = Path(find_default_model())
     config, weights = open_gguf_checkpoint(path)
     weights = dict(weights)
-    model = build_model(config, torch.float32, "cpu")
+    backend = cpu_backend()
+    model = build_model(config, backend)
     model.load_weights(weights.items())
+    backend.prepare_model(model)
     tokenizer = convert.load_gguf_tokenizer(path)
     folders = {}
     for dtype in ("float32", "bfloat16"):
         folders[dtype] = tmp_path_factory.mktemp(dtype)
         convert.write_hf_folder(config, weights.items(), tokenizer, folders[dtype], dtype)
-    return config, weights, model.eval(), tokenizer, folders
+    return config, weights, (model.eval(), backend), tokenizer, folders
 
 
 @pytest.mark.slow
@@ -251,11 +254,12 @@ def test_embedded_folders_hold_the_gguf_weights(embedded):
 
 @pytest.mark.slow
 def test_embedded_float32_folder_in_transformers_matches_octavo_on_the_gguf(embedded):
-    _, _, model, _, folders = embedded
+    _, _, (model, backend), _, folders = embedded
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         folders["float32"], dtype=torch.float32
     ).eval()
-    out = PagedHarness(model, num_blocks=16, block_size=4).step({"a": PROMPTS[0], "b": PROMPTS[1]})
+    harness = PagedHarness(model, backend, num_blocks=16, block_size=4)
+    out = harness.step({"a": PROMPTS[0], "b": PROMPTS[1]})
     for name, token_ids in zip("ab", PROMPTS):
         expected = hf_logits(hf_model, token_ids)
         # Same weights, different kernels: the bound of the embedded GGUF vs transformers test.
@@ -270,7 +274,7 @@ def test_embedded_bfloat16_folder_in_transformers_stays_close(embedded):
     weights' rounding only: within 0.5 of logits that reach ~31 (measured 0.14), and 8
     greedy tokens equal octavo's up to a first divergence, where transformers' token is in
     octavo's top 5 (vLLM's rule)."""
-    _, _, model, _, folders = embedded
+    _, _, (model, backend), _, folders = embedded
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folders["bfloat16"]).eval()
     assert next(hf_model.parameters()).dtype == torch.bfloat16
     hf_model.float()
@@ -279,7 +283,7 @@ def test_embedded_bfloat16_folder_in_transformers_stays_close(embedded):
         sequence = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[
             0
         ].tolist()
-    reference = octavo_logits(model, sequence)
+    reference = octavo_logits(model, backend, sequence)
     got = hf_logits(hf_model, sequence)
     assert (got - reference).abs().max().item() < 0.5
     for position in range(len(prompt), len(sequence)):
@@ -312,14 +316,14 @@ def test_embedded_tokenizer_files_match_the_gguf_tokenizer(embedded):
 def test_octavo_serves_the_float32_folder_with_the_gguf_greedy_tokens(embedded):
     from octavo import LLM, SamplingParams
 
-    _, _, model, tokenizer, folders = embedded
+    _, _, (model, backend), tokenizer, folders = embedded
     llm = LLM(
         model=str(folders["float32"]), dtype="float32", max_model_len=256, kv_cache_tokens=512
     )
     prompt = "The capital of France is"
     output = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     # Greedy on the GGUF weights: prefill, then one decode step per token.
-    harness = PagedHarness(model, num_blocks=16, block_size=4)
+    harness = PagedHarness(model, backend, num_blocks=16, block_size=4)
     logits = harness.step({"r": tokenizer(prompt).input_ids})["r"]
     expected = []
     for _ in range(8):

@@ -26,7 +26,14 @@ from octavo.model.loader import (
 )
 from octavo.model.loader import gguf as gguf_loader
 
-from .tiny import PagedHarness, hf_logits, make_tiny_hf_model, save_tiny_checkpoint, write_tiny_gguf
+from .tiny import (
+    PagedHarness,
+    cpu_backend,
+    hf_logits,
+    make_tiny_hf_model,
+    save_tiny_checkpoint,
+    write_tiny_gguf,
+)
 
 Q = gguf.GGMLQuantizationType
 
@@ -143,13 +150,14 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
     hf_model = make_tiny_hf_model(arch, seed=11, **overrides)
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, arch)
     # A folder holding exactly one .gguf loads like the file itself.
-    model, config = load_model(str(tmp_path), torch.float32, "cpu")
+    backend = cpu_backend()
+    model, config = load_model(str(tmp_path), backend)
     assert config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
     assert (config.attention_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
     token_ids = list(range(3, 19))
     torch.testing.assert_close(
-        PagedHarness(model).step({"r": token_ids})["r"],
+        PagedHarness(model, backend).step({"r": token_ids})["r"],
         hf_logits(hf_model, token_ids),
         atol=1e-4,
         rtol=1e-4,
@@ -168,7 +176,7 @@ def test_gguf_tensor_types_dequantise_and_unpermute(tmp_path):
         "blk.1.attn_k.weight": Q.BF16,
     }
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama", types)
-    model, _ = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    model, _ = load_model(str(tmp_path / "tiny.gguf"), cpu_backend())
     hf_state = hf_model.state_dict()
     for name, qtype in types.items():
         layer, kind = name.split(".")[1], name.split(".")[2][-1]
@@ -205,7 +213,7 @@ def test_find_default_model_says_how_to_install(monkeypatch):
 
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
-        load_model(str(tmp_path / "nowhere"), torch.float32, "cpu")
+        load_model(str(tmp_path / "nowhere"), cpu_backend())
 
 
 def test_unknown_architecture(tmp_path):
@@ -214,7 +222,7 @@ def test_unknown_architecture(tmp_path):
     config["architectures"] = ["FalconForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="'FalconForCausalLM' is not supported"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_unsupported_rope_type(tmp_path):
@@ -223,7 +231,7 @@ def test_unsupported_rope_type(tmp_path):
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="rope_type='yarn' is not supported"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_missing_tensor(tmp_path):
@@ -232,7 +240,7 @@ def test_missing_tensor(tmp_path):
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_unexpected_tensor(tmp_path):
@@ -241,7 +249,7 @@ def test_unexpected_tensor(tmp_path):
     weights["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.mlp\.extra\.weight' has no"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_truncated_safetensors(tmp_path):
@@ -249,7 +257,7 @@ def test_truncated_safetensors(tmp_path):
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="truncated or corrupt safetensors"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_truncated_gguf(tmp_path):
@@ -257,7 +265,7 @@ def test_truncated_gguf(tmp_path):
         data = handle.read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="truncated or corrupt GGUF"):
-        load_model(str(tmp_path / "cut.gguf"), torch.float32, "cpu")
+        load_model(str(tmp_path / "cut.gguf"), cpu_backend())
 
 
 def test_unsupported_gguf_tensor_type(tmp_path):
@@ -265,17 +273,17 @@ def test_unsupported_gguf_tensor_type(tmp_path):
         tmp_path / "q5.gguf", make_tiny_hf_model("llama"), "llama", {"blk.1.ffn_up.weight": Q.Q5_0}
     )
     with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has GGUF type Q5_0"):
-        load_model(str(tmp_path / "q5.gguf"), torch.float32, "cpu")
+        load_model(str(tmp_path / "q5.gguf"), cpu_backend())
 
 
 def test_folder_without_a_model(tmp_path):
     (tmp_path / "notes.txt").write_text("nothing here")
     with pytest.raises(ModelLoadError, match="no config.json and 0 .gguf files"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())
 
 
 def test_folder_with_two_ggufs(tmp_path):
     write_tiny_gguf(tmp_path / "a.gguf", make_tiny_hf_model("llama"), "llama")
     shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
     with pytest.raises(ModelLoadError, match="2 .gguf files"):
-        load_model(str(tmp_path), torch.float32, "cpu")
+        load_model(str(tmp_path), cpu_backend())

@@ -33,13 +33,14 @@ def test_tensor_keeps_its_mapping_alive():
     assert t.sum().item() == 3.0 * (1 << 20)
 
 
-def test_small_tensors_and_disabled_huge_pages_take_torch_empty(monkeypatch):
+def test_small_tensors_and_disabled_huge_pages_take_torch_empty():
     small = memory.empty((16, 16), torch.float32)
     assert small.shape == (16, 16) and small.untyped_storage().nbytes() == 16 * 16 * 4
-    monkeypatch.setenv("OCTAVO_DISABLE_HUGE_PAGES", "1")
-    assert not memory.huge_pages_supported()
-    big = memory.empty((1 << 20,), torch.float32)
+    # huge_pages=False: the `huge_pages` setting turned off.
+    big = memory.empty((1 << 20,), torch.float32, huge_pages=False)
     assert big.untyped_storage().nbytes() == (1 << 22)  # no extra room for alignment
+    (many,) = memory.empty_many([((1 << 20,), torch.float32)], huge_pages=False)
+    assert many.untyped_storage().nbytes() == (1 << 22)
 
 
 def test_many_tensors_share_one_allocation_without_overlap():

@@ -16,13 +16,16 @@ import pytest
 import torch
 import transformers
 
-from octavo.model import kernels
+from octavo.config import kv_cache_bytes_per_token
 from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.backends.cpu import CpuPagedAttention
+from octavo.model.backends.sdpa import SdpaAttention
 from octavo.model.config import ModelConfig
-from octavo.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_token
-from octavo.model.loader import find_default_model, load_model
+from octavo.model.cpu import build, ops
+from octavo.model.kv_cache import allocate_kv_cache
+from octavo.model.loader import find_default_model
 
-from .tiny import PagedHarness, hf_logits, save_tiny_checkpoint
+from .tiny import ATTENTION_BACKENDS, PagedHarness, hf_logits, load, save_tiny_checkpoint
 
 ATOL = RTOL = 1e-4
 
@@ -45,12 +48,14 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request, tmp_path_factory):
-    """(transformers model, octavo model) for one variant, loaded from one saved checkpoint."""
+    """(transformers model, the saved checkpoint's folder) for one variant."""
     model_type, overrides = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    hf_model = save_tiny_checkpoint(folder, model_type, **overrides)
-    model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
-    return hf_model, model
+    return save_tiny_checkpoint(folder, model_type, **overrides), folder
+
+
+def _harness(folder, attention="auto", kv_cache_dtype=None, seed=0) -> PagedHarness:
+    return PagedHarness(*load(folder, attention, kv_cache_dtype=kv_cache_dtype), seed=seed)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -62,12 +67,12 @@ def _assert_matches(logits: torch.Tensor, expected: torch.Tensor) -> None:
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
-def test_prefill_then_decode_steps_match_transformers(tiny, backend):
-    hf_model, model = tiny
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_prefill_then_decode_steps_match_transformers(tiny, attention):
+    hf_model, folder = tiny
     token_ids = _tokens(17, seed=1)
     expected = hf_logits(hf_model, token_ids)
-    harness = PagedHarness(model, backend=backend)
+    harness = _harness(folder, attention)
 
     # 1) an 11-token prefill fills blocks 0-2; 2) six decodes cross into blocks 3 and 4.
     _assert_matches(harness.step({"r": token_ids[:11]})["r"], expected[:11])
@@ -76,14 +81,14 @@ def test_prefill_then_decode_steps_match_transformers(tiny, backend):
         _assert_matches(logits, expected[position : position + 1])
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
-def test_mixed_batch_in_one_forward_matches_transformers(tiny, backend):
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_mixed_batch_in_one_forward_matches_transformers(tiny, attention):
     """One flat forward holding a continuing chunk, two decodes and a first prefill chunk."""
-    hf_model, model = tiny
+    hf_model, folder = tiny
     names = ["cont", "dec1", "dec2", "new"]
     sequences = {name: _tokens(12, seed) for seed, name in enumerate(names)}
     expected = {name: hf_logits(hf_model, ids) for name, ids in sequences.items()}
-    harness = PagedHarness(model, backend=backend)
+    harness = _harness(folder, attention)
     harness.step({"cont": sequences["cont"][:5], "dec1": sequences["dec1"][:9]})
     harness.step({"dec2": sequences["dec2"][:6]})
 
@@ -102,10 +107,11 @@ def test_mixed_batch_in_one_forward_matches_transformers(tiny, backend):
 
 
 def test_chunked_prefill_equals_unchunked(tiny):
-    hf_model, model = tiny
+    hf_model, folder = tiny
+    model, backend = load(folder)
     token_ids = _tokens(13, seed=7)
-    whole = PagedHarness(model, seed=1).step({"r": token_ids})["r"]
-    harness = PagedHarness(model, seed=2)
+    whole = PagedHarness(model, backend, seed=1).step({"r": token_ids})["r"]
+    harness = PagedHarness(model, backend, seed=2)
     first = harness.step({"r": token_ids[:7]})["r"]
     second = harness.step({"r": token_ids[7:]})["r"]
 
@@ -119,48 +125,47 @@ def test_asking_for_some_rows_gives_those_rows_of_the_whole_forward(tiny):
     """The runner asks only for the rows it samples, which spares the last layer's MLP for the
     others: same logits as those rows of the full forward, prompt and decode steps alike, and
     the cache the next steps read is the same (every token's keys and values still written)."""
-    _, model = tiny
+    model, backend = load(tiny[1])
     prompts = {"a": _tokens(9, seed=5), "b": _tokens(6, seed=6)}
-    full, some = PagedHarness(model, seed=4), PagedHarness(model, seed=4)
+    full, some = PagedHarness(model, backend, seed=4), PagedHarness(model, backend, seed=4)
     steps = [prompts] + [{"a": [3 + step], "b": [7 + step]} for step in range(3)]
     for scheduled, rows in zip(steps, [[8, 14, 0], [1], [], [0, 1]], strict=True):
         flat = torch.cat(list(full.step(scheduled).values()))
         torch.testing.assert_close(some.step(scheduled, rows), flat[rows], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+@pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
 def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch):
-    """All-decode steps run each layer as one kernels.decode_layer call (Llama, Qwen2 with its
+    """All-decode steps run each layer as one ops.decode_layer call (Llama, Qwen2 with its
     q/k/v biases); it must give the layer-by-layer forward's logits bit for bit. Qwen3's
-    per-head q/k norms are not in that kernel: its layers decline it."""
-    _, model = tiny
+    per-head q/k norms are not in that kernel: the backend does not bind it for them."""
+    model, backend = load(tiny[1])
     supported = not model.config.qk_norm
-    assert all(
-        (layer.decode_kernel_args() is not None) == supported for layer in model.model.layers
-    )
+    assert backend.fused_decode_layer == ("on" if supported else "off: per-head q/k norms")
+    assert (model.model.fused_decode is not None) == supported
     calls = []
-    decode_layer = kernels.decode_layer
-    monkeypatch.setattr(kernels, "decode_layer", lambda *a: calls.append(1) or decode_layer(*a))
+    decode_layer = ops.decode_layer
+    monkeypatch.setattr(ops, "decode_layer", lambda *a: calls.append(1) or decode_layer(*a))
     prompts = {"a": _tokens(9, seed=5), "b": _tokens(6, seed=6), "c": _tokens(13, seed=7)}
-    fused, plain = PagedHarness(model, seed=3), PagedHarness(model, seed=3)
+    fused, plain = PagedHarness(model, backend, seed=3), PagedHarness(model, backend, seed=3)
     steps = [prompts] + [{r: [3 + step + i] for i, r in enumerate(prompts)} for step in range(5)]
     fused_logits = [fused.step(scheduled) for scheduled in steps]
     assert len(calls) == (5 * model.config.num_hidden_layers if supported else 0)
-    monkeypatch.setattr(type(model.model), "_use_decode_kernel", lambda *a: False)
+    model.model.fused_decode = None
     for scheduled, expected in zip(steps, fused_logits, strict=True):
         out = plain.step(scheduled)
         assert all(torch.equal(out[r], expected[r]) for r in scheduled)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
-def test_sibling_reads_prefix_block_written_in_the_same_step(tiny, backend):
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_sibling_reads_prefix_block_written_in_the_same_step(tiny, attention):
     """Regression guard for reading before writing: request "b" shares "a"'s first block, whose
     last two slots "a" writes in the same forward. "b" comes first in the batch, so a backend
     that attended request by request before all writes would read stale slots."""
-    hf_model, model = tiny
+    hf_model, folder = tiny
     a_ids = _tokens(8, seed=3)
     b_ids = a_ids[:4] + _tokens(3, seed=4)
-    harness = PagedHarness(model, backend=backend)
+    harness = _harness(folder, attention)
     harness.step({"a": a_ids[:2]})
     harness.share_prefix("b", "a", num_blocks=1)
 
@@ -173,40 +178,39 @@ def test_sharded_checkpoint_loads(tmp_path):
     hf_model = save_tiny_checkpoint(tmp_path, "qwen2", seed=5, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    model, _ = load_model(str(tmp_path), torch.float32, "cpu")
     token_ids = _tokens(9, seed=8)
-    _assert_matches(PagedHarness(model).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
+    _assert_matches(_harness(tmp_path).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
 
 
 def test_bfloat16_model_stays_close_to_float32(tmp_path):
     hf_model = save_tiny_checkpoint(tmp_path, "llama", seed=6)
-    model, _ = load_model(str(tmp_path), torch.bfloat16, "cpu")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     token_ids = _tokens(10, seed=9)
     expected = hf_logits(hf_model, token_ids)
     results = {}
-    for backend in ("sdpa", "sdpa-gather", "reference"):
-        harness = PagedHarness(model, backend=backend, dtype=torch.bfloat16)
+    for attention in ATTENTION_BACKENDS:
+        model, backend = load(tmp_path, attention, dtype=torch.bfloat16)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        harness = PagedHarness(model, backend)
         prefill = harness.step({"r": token_ids[:8]})["r"]
         decodes = [harness.step({"r": [t]})["r"] for t in token_ids[8:]]
-        results[backend] = torch.cat([prefill, *decodes])
-        assert results[backend].dtype == torch.float32
+        results[attention] = torch.cat([prefill, *decodes])
+        assert results[attention].dtype == torch.float32
     # bf16 keeps ~3 significant digits and logits here are O(5); the reference backend's
     # float32 softmax does not make it closer than bf16 weights allow.
-    for backend, logits in results.items():
+    for attention, logits in results.items():
         torch.testing.assert_close(
-            logits, expected, atol=0.15, rtol=0.05, msg=lambda m, b=backend: f"{b}: {m}"
+            logits, expected, atol=0.15, rtol=0.05, msg=lambda m, b=attention: f"{b}: {m}"
         )
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-gather", "reference"])
-def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, backend):
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, attention):
     """--kv-cache-dtype bfloat16 with float32 compute: keys and values read from the cache are
     rounded to bf16 (~3 significant digits), so logits drift a little from float32's."""
-    hf_model, model = tiny
+    hf_model, folder = tiny
     token_ids = _tokens(17, seed=8)
     expected = hf_logits(hf_model, token_ids)
-    harness = PagedHarness(model, backend=backend, dtype=torch.bfloat16)
+    harness = _harness(folder, attention, kv_cache_dtype=torch.bfloat16)
     prefill = harness.step({"r": token_ids[:11]})["r"]
     decodes = torch.cat([harness.step({"r": [t]})["r"] for t in token_ids[11:]])
     torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=0.1, rtol=0.05)
@@ -235,6 +239,7 @@ def _config(**overrides) -> ModelConfig:
         attention_out_bias=False,
         mlp_bias=False,
         qk_norm=False,
+        hidden_act="silu",
         bos_token_id=1,
         eos_token_ids=(2,),
     )
@@ -251,11 +256,11 @@ def test_kv_cache_layout_and_size():
     assert caches[0].dtype == torch.bfloat16
     assert int(caches[0].count_nonzero()) == 0
     # 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 2 bytes
-    assert kv_cache_bytes_per_token(config, torch.bfloat16) == 256
-    assert kv_cache_bytes_per_token(config, torch.float32) == 512
+    assert kv_cache_bytes_per_token(config, "bfloat16") == 256
+    assert kv_cache_bytes_per_token(config, "float32") == 512
 
 
-def _mixed_metadata(paged_kernels: bool) -> AttentionMetadata:
+def _mixed_metadata() -> AttentionMetadata:
     """Decodes (requests 0 and 2) around a fresh 3-token prompt (request 1), block size 4."""
     return AttentionMetadata(
         query_start_loc=[0, 1, 4, 5],
@@ -263,48 +268,45 @@ def _mixed_metadata(paged_kernels: bool) -> AttentionMetadata:
         slot_mapping=torch.tensor([5, 8, 9, 10, 24]),
         block_table=torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]], dtype=torch.int32),
         block_size=4,
-        paged_kernels=paged_kernels,
     )
 
 
-def test_attention_metadata_derives_plan_from_runner_fields():
-    metadata = _mixed_metadata(paged_kernels=False)
+def test_attention_metadata_derives_the_shared_values():
+    metadata = _mixed_metadata()
     assert metadata.query_lens == [1, 3, 1]
     assert (metadata.num_reqs, metadata.num_tokens) == (3, 5)
     assert (metadata.max_query_len, metadata.max_seq_len) == (3, 9)
     assert metadata.is_all_decode is False
-    assert metadata.decode.req_idx == [0, 2]
-    assert metadata.decode.token_idx.tolist() == [0, 4]
+    assert (metadata.decode_idx(), metadata.chunk_idx()) == ([0, 2], [1])
+
+
+def test_sdpa_plans_gathered_decodes_and_one_chunk_per_prompt():
+    plan = SdpaAttention().plan(_mixed_metadata())
+    assert plan.decode.req_idx == [0, 2]
+    assert plan.decode.token_idx.tolist() == [0, 4]
     # Request 0: positions 0..5 in blocks 3, 1 (padded with block 0); request 2: positions
     # 0..8 in blocks 4, 5, 6.
-    assert metadata.decode.max_num_blocks == 3
-    assert metadata.decode.block_ids.tolist() == [3, 1, 0, 4, 5, 6]
-    assert metadata.decode.key_mask[:, 0, 0].tolist() == [
+    assert plan.decode.max_num_blocks == 3
+    assert plan.decode.block_ids.tolist() == [3, 1, 0, 4, 5, 6]
+    assert plan.decode.key_mask[:, 0, 0].tolist() == [
         [True] * 6 + [False] * 6,
         [True] * 9 + [False] * 3,
     ]
-    (chunk,) = metadata.chunks
+    (chunk,) = plan.chunks
     assert (chunk.req_idx, chunk.start, chunk.end) == (1, 1, 4)
     assert chunk.kv_slots is None and chunk.mask is None  # a whole fresh prompt: plain causal
 
 
-def test_attention_metadata_plans_kernel_decodes_without_gather_indices():
-    decode = _mixed_metadata(paged_kernels=True).decode
-    assert decode.req_idx == [0, 2] and decode.token_idx.tolist() == [0, 4]
+def test_cpu_paged_plans_kernel_decodes_and_all_chunks_together():
+    plan = CpuPagedAttention(torch.float32).plan(_mixed_metadata())
+    decode, prefill = plan.decode, plan.prefill
+    assert decode.token_idx.tolist() == [0, 4]
     assert decode.block_table.dtype == torch.int32 and decode.block_table.is_contiguous()
     assert decode.block_table.tolist() == [[3, 1, 0], [4, 5, 6]]
     assert decode.seq_lens.tolist() == [6, 9]
-    assert decode.block_ids is None and decode.key_mask is None
-
-
-def test_attention_metadata_plans_kernel_chunks_together():
-    metadata = _mixed_metadata(paged_kernels=True)
-    prefill = metadata.prefill
-    assert metadata.chunks == []
     assert prefill.block_table.dtype == torch.int32 and prefill.block_table.tolist() == [[2]]
     assert prefill.query_start.tolist() == [1] and prefill.query_lens.tolist() == [3]
     assert prefill.seq_lens.tolist() == [3]
-    assert _mixed_metadata(paged_kernels=False).prefill is None
 
 
 def test_attention_metadata_rejects_inconsistent_fields():
@@ -329,13 +331,14 @@ def smollm2():
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    model, config = load_model(str(path), torch.float32, "cpu")
-    return hf_model, model, config
+    model, backend = load(path)
+    return hf_model, model, backend
 
 
 @pytest.mark.slow
 def test_embedded_gguf_config(smollm2):
-    _, _, config = smollm2
+    _, model, _ = smollm2
+    config = model.config
     assert (config.architecture, config.vocab_size, config.hidden_size) == (
         "LlamaForCausalLM",
         49152,
@@ -354,8 +357,8 @@ def test_embedded_gguf_config(smollm2):
 
 @pytest.mark.slow
 def test_embedded_gguf_matches_transformers(smollm2):
-    hf_model, model, _ = smollm2
-    harness = PagedHarness(model, num_blocks=32, block_size=4)
+    hf_model, model, backend = smollm2
+    harness = PagedHarness(model, backend, num_blocks=32, block_size=4)
     out = harness.step({"a": PROMPTS[0], "b": PROMPTS[1]})
     # Then three decodes of both in one batch, each feeding transformers' greedy token.
     sequences = {"a": list(PROMPTS[0]), "b": list(PROMPTS[1])}

@@ -2,8 +2,9 @@
 
 `save_tiny_checkpoint` builds a 2-layer transformers model with weights drawn large enough that
 attention is far from uniform and logits differ by more than the comparison tolerance, then
-saves it with `save_pretrained`. `PagedHarness` owns a block pool with shuffled block ids and
-turns "run these tokens for these requests" into one flat forward, the way the model runner does.
+saves it with `save_pretrained`. `load` loads a checkpoint with a CPU backend of the attention
+backend and dtypes asked for. `PagedHarness` owns a block pool with shuffled block ids and turns
+"run these tokens for these requests" into one flat forward, the way the model runner does.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ import torch
 import transformers
 from torch import Tensor, nn
 
+from octavo.config import BackendConfig
 from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.kv_cache import allocate_kv_cache
+from octavo.model.loader import load_model
+
+# The attention backends every paged test runs with: the CPU paged kernels where they are
+# built (auto), torch's SDPA over gathered blocks, and the plain-torch reference.
+ATTENTION_BACKENDS = ["auto", "sdpa", "reference"]
 
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
@@ -69,6 +77,28 @@ def hf_logits(model: nn.Module, token_ids: list[int]) -> Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def cpu_backend(
+    dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: torch.dtype | None = None,
+    attention: str = "auto",
+) -> ModelBackend:
+    """What select_backend gives a CPU engine with these dtypes and attention_backend."""
+    config = BackendConfig(attention_backend=attention)
+    return select_backend(torch.device("cpu"), dtype, kv_cache_dtype or dtype, config)
+
+
+def load(
+    path: Path | str,
+    attention: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> tuple[nn.Module, ModelBackend]:
+    """load_model with cpu_backend(...): the model and the backend it was built with."""
+    backend = cpu_backend(dtype, kv_cache_dtype, attention)
+    model, _ = load_model(str(path), backend)
+    return model, backend
+
+
 @dataclass
 class _RequestState:
     block_ids: list[int] = field(default_factory=list)
@@ -85,19 +115,18 @@ class PagedHarness:
     def __init__(
         self,
         model: nn.Module,
+        backend: ModelBackend,
         num_blocks: int = 32,
         block_size: int = 4,
-        backend: str = "sdpa",
-        dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
+        """`model` was loaded with `backend`; the cache is of the backend's kv_cache_dtype."""
         self.model = model
+        self.backend = backend
         self.block_size = block_size
-        # "sdpa-gather": the sdpa backend with decodes and chunks through gathered blocks and
-        # SDPA, not the paged kernels.
-        self.backend = "sdpa" if backend == "sdpa-gather" else backend
-        self.paged_kernels = False if backend == "sdpa-gather" else None
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu")
+        self.kv_caches = allocate_kv_cache(
+            model.config, num_blocks, block_size, backend.kv_cache_dtype, "cpu"
+        )
         # Shuffled, so that a request's blocks are neither contiguous nor in order.
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free_block_ids = order.tolist()
@@ -142,13 +171,12 @@ class PagedHarness:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_table=block_table,
             block_size=self.block_size,
-            backend=self.backend,
-            paged_kernels=self.paged_kernels,
         )
+        plan = self.backend.attention.plan(metadata)
         rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata, rows
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, plan, rows
             )
             logits = self.model.compute_logits(hidden)
         if rows is not None:

@@ -8,19 +8,19 @@ import math
 import pytest
 import torch
 
-from octavo.model import kernels
+from octavo.model.cpu import build, ops
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # The random draw in torch, and in the CPU kernel the model runner passes on a CPU.
-DRAWS = ["torch"] + (["kernel"] if kernels.vectorized() else [])
+DRAWS = ["torch"] + (["kernel"] if build.vectorized() else [])
 
 
 def make_sampler(draw: str, device: str = "cpu") -> Sampler:
     if draw == "kernel" and device != "cpu":
         pytest.skip("the sampling kernel runs on a CPU")
-    return Sampler(draw=kernels.sample_categorical if draw == "kernel" else None)
+    return Sampler(draw=ops.sample_categorical if draw == "kernel" else None)
 
 
 def make_metadata(

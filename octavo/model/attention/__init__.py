@@ -1,2 +1,2 @@
-"""Paged attention: per-forward metadata, the layer that writes the cache, and the backends
-(`reference` in plain torch, `sdpa` through scaled_dot_product_attention)."""
+"""Paged attention's model side: the per-forward metadata and the layer that writes the cache and
+attends through the backend (the backends themselves are in model/backends/)."""

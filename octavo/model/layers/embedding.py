@@ -2,8 +2,8 @@
 
 Not nn.Embedding because its random initialisation runs even on the meta device, where
 `normal_` pulls in torch's compiler stack at start-up; every octavo weight comes from a
-checkpoint, so the parameter is left uninitialised here. Owns the lookup only; tied output
-projections read `weight` directly.
+checkpoint, so the parameter is left uninitialised here. Owns the lookup; a tied model's
+output projection multiplies by the same weight through `head_format`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from octavo.model.formats import LinearWeight
+from octavo.model.layers.linear import UNPREPARED
+
 
 class VocabEmbedding(nn.Module):
-    # The weight packed for tied output projections' decode matmuls (see layers/linear.py).
-    packed_weight: Tensor | None = None
+    # The weight's format as the output projection of a tied model (see layers/linear.py),
+    # given by the backend when the model is loaded.
+    head_format: LinearWeight = UNPREPARED
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()

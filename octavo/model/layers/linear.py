@@ -1,12 +1,9 @@
-"""Linear layers: the matmul every projection goes through, and PackedLinear.
+"""Linear layers: Linear, whose matmul is its weight format's, and PackedLinear.
 
-`linear()` sends a batch of up to a weight's `packed_max_rows` (measured on the machine when the
-model is loaded) on a CPU to the packed-panel kernel, reading `packed_weight`, a copy of the
-weight laid out once at load time (`attach_packed_weights`) in panels each thread streams
-contiguously; BLAS GEMMs run far below memory bandwidth at decode sizes. The copy is bfloat16
-where every value of the weight is an exact bf16 number (a checkpoint stored in bf16, loaded for
-fp32 compute): the same numbers in half the bytes, so results do not change. Other devices, and
-larger batches, use torch's GEMM on `weight`.
+A Linear keeps the checkpoint's weight as a parameter (that is what loading fills) and, once
+the model is loaded, a `weight_format` (model/formats/) chosen by the backend: the dense tensor
+through torch's GEMM, or a copy packed for the CPU kernel, or later a quantized block format.
+Its forward is that format's matmul, so a layer never asks which kernel runs.
 
 PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
 replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping
@@ -17,65 +14,40 @@ file formats.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from octavo.model import kernels, memory
+from octavo.model.formats import LinearWeight
 
 
-def linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    packed_weight: Tensor | None = None,
-    packed_max_rows: int | None = None,
-) -> Tensor:
-    """x: (num_tokens, in) -> (num_tokens, out) in x's dtype. `packed_max_rows`: the most rows
-    the packed kernel takes for this weight (kernels.PACKED_MAX_ROWS if None)."""
-    if kernels.use_packed_linear(x, packed_weight, packed_max_rows):
-        out = kernels.packed_linear(x, packed_weight, weight.shape[0])
-        if bias is not None:
-            out += bias
-        return out if out.dtype == x.dtype else out.to(x.dtype)
-    return F.linear(x, weight, bias)
+class _Unprepared(LinearWeight):
+    """The format of a Linear whose model has not been through ModelBackend.prepare_model."""
+
+    name = "unprepared"
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        raise RuntimeError(
+            "this Linear has no weight format yet: load the model with model.loader.load_model "
+            "or call ModelBackend.prepare_model(model) after loading its weights."
+        )
+
+    def dequantize(self) -> Tensor:
+        raise RuntimeError("unprepared Linear")
+
+    @property
+    def nbytes(self) -> int:
+        return 0
 
 
-def attach_packed_weights(model: nn.Module) -> tuple[int, int, int]:
-    """Give every Linear (and a tied embedding, which has a `packed_weight` slot) its packed
-    copy, when the CPU kernels are available, and each Linear of the decoder layers the row
-    limit up to which the copy beats torch's GEMM on this machine
-    (kernels.calibrate_packed_max_rows). Call once after loading. Returns (weights packed, how
-    many of them in bfloat16, bytes the copies take). The copies share one allocation in huge
-    pages (memory.empty_many): a decode step streams all of them, and with 4 KiB pages the TLB
-    misses cost several percent of the batch-1 matmuls' time (BENCHMARKS.md)."""
-    modules = []
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) or hasattr(module, "packed_weight"):
-            module.packed_weight = None
-            # packed_layout decides by device and dtype (None where the kernel can't run).
-            layout = kernels.packed_layout(module.weight) if kernels.available() else None
-            if layout is not None:
-                modules.append((name, module, layout))
-    # All the copies' places first, then each packed into its own: no second copy of them all.
-    slots = memory.empty_many([layout for _, _, layout in modules])
-    for (name, module, _), slot in zip(modules, slots):
-        packed = module.packed_weight = kernels.pack_linear_weight(module.weight, out=slot)
-        # The output projection only ever multiplies sampled rows, never a prompt's.
-        if isinstance(module, Linear) and name.rpartition(".")[2] != "lm_head":
-            module.packed_max_rows = kernels.calibrate_packed_max_rows(module.weight, packed)
-    num_bf16 = sum(slot.dtype == torch.bfloat16 for slot in slots)
-    nbytes = sum(slot.numel() * slot.element_size() for slot in slots)
-    return len(slots), num_bf16, nbytes
+UNPREPARED = _Unprepared()
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward goes through `linear()`."""
+    """nn.Linear whose forward is `weight_format.matmul`."""
 
-    packed_weight: Tensor | None = None
-    packed_max_rows: int | None = None
+    weight_format: LinearWeight = UNPREPARED
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.packed_max_rows)
+        return self.weight_format.matmul(x, self.bias)
 
 
 class PackedLinear(Linear):

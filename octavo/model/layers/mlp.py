@@ -1,30 +1,32 @@
-"""GatedMLP: down(silu(gate(x)) * up(x)), the feed-forward of Llama, Qwen2 and Qwen3.
+"""GatedMLP: down(act(gate(x)) * up(x)), the feed-forward of the Llama family.
 
-gate and up are packed into one matmul (`gate_up_proj`, shards "gate" then "up"). Owns nothing
-but the feed-forward; it must not know about attention or checkpoint names beyond its own.
+gate and up are packed into one matmul (`gate_up_proj`, shards "gate" then "up"); the
+activation-and-multiply is the backend's. Owns nothing but the feed-forward; it must not know
+about attention or checkpoint names beyond its own.
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from octavo.model import kernels
+from octavo.model.backends.base import LayerOps
 from octavo.model.layers.linear import Linear, PackedLinear
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, act: str, ops: LayerOps
+    ) -> None:
+        """`act`: HF's hidden_act name; the backend's function for it is looked up here, once
+        (ValueError for one it does not have)."""
         super().__init__()
         self.gate_up_proj = PackedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=bias
         )
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_and_mul = ops.act_and_mul(act)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (num_tokens, hidden) -> (num_tokens, hidden)."""
         gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * inter)
-        if kernels.use_fused_elementwise(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = self.gate_up_proj.split_output(gate_up)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_and_mul(gate_up))

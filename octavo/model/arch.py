@@ -1,0 +1,171 @@
+"""ArchSpec: everything octavo knows of one architecture, in one place.
+
+A spec says how the architecture's config maps from a Hugging Face config.json and from GGUF
+metadata (what it fixes whatever the file says), its GGUF tensor names and the row permutation
+llama.cpp's converter applies, its model class, what `octavo convert` writes for it, and which
+fused paths it opts into. Adding an architecture is one model file built from the shared layers
+(or none, when an existing class covers it) plus one spec in SPECS. Plain Python, no torch: the
+config code (model/config.py) and the converter read specs before any model exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from octavo.model.config import ModelConfig
+
+# llama.cpp's tensor names outside the layers, and per layer (blk.N.<name>.weight|bias), as its
+# converter writes them for the Llama family -> the Hugging Face module names.
+LLAMA_GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+)
+LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    # HF `architectures[0]`, and config.json's `model_type` for it.
+    name: str
+    model_type: str
+    # "module:Class" of the model, imported only when a model is built.
+    model_class: str
+    # GGUF `general.architecture` files of this architecture carry; None where llama.cpp writes
+    # another's (Mistral is written as "llama").
+    gguf_name: str | None = None
+    # What the architecture fixes whatever config.json says: biases on q/k/v (None: the
+    # config's `attention_bias`) and on o_proj (None: the same as q/k/v), and an RMSNorm over
+    # head_dim on every q and k head before RoPE (Qwen3).
+    qkv_bias: bool | None = None
+    o_proj_bias: bool | None = None
+    qk_norm: bool = False
+    # llama.cpp's converter interleaves the two halves of each head's q/k rows (its RoPE pairs
+    # dimensions 2i and 2i + 1); the loader undoes it for these architectures.
+    gguf_permute_qk: bool = False
+    gguf_global_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_GLOBAL_NAMES)
+    gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    # config.json keys `octavo convert` writes for this model_type beyond the shared ones; may
+    # raise ValueError where transformers has no field for what the model does.
+    hf_config_extras: Callable[[ModelConfig], dict[str, Any]] = lambda config: {}
+    # Opt-in to the CPU's one-call decoder layer (model/cpu/fused.py), which checks the loaded
+    # model as well.
+    fused_decode_layer: bool = False
+
+
+def _one_attention_bias(config: ModelConfig) -> dict[str, Any]:
+    """Llama, Mistral and Qwen3 configs have one `attention_bias` for q/k/v and o_proj alike."""
+    if config.attention_bias != config.attention_out_bias:
+        raise ValueError(
+            f"{config.architecture} with attention_bias={config.attention_bias} but o_proj "
+            f"bias={config.attention_out_bias} has no transformers config."
+        )
+    return {"attention_bias": config.attention_bias}
+
+
+def _llama_extras(config: ModelConfig) -> dict[str, Any]:
+    return {**_one_attention_bias(config), "mlp_bias": config.mlp_bias}
+
+
+_LLAMA_CLASS = "octavo.model.llama:LlamaForCausalLM"
+
+SPECS: tuple[ArchSpec, ...] = (
+    ArchSpec(
+        name="LlamaForCausalLM",
+        model_type="llama",
+        model_class=_LLAMA_CLASS,
+        gguf_name="llama",
+        gguf_permute_qk=True,
+        hf_config_extras=_llama_extras,
+        fused_decode_layer=True,
+    ),
+    # Mistral checkpoints are Llama with other names (the sliding window becomes a context cap
+    # in ModelConfig).
+    ArchSpec(
+        name="MistralForCausalLM",
+        model_type="mistral",
+        model_class=_LLAMA_CLASS,
+        gguf_permute_qk=True,
+        hf_config_extras=_llama_extras,
+        fused_decode_layer=True,
+    ),
+    # Qwen2 / Qwen2.5: always q/k/v biases, never an o_proj bias; its config has no flag.
+    ArchSpec(
+        name="Qwen2ForCausalLM",
+        model_type="qwen2",
+        model_class=_LLAMA_CLASS,
+        gguf_name="qwen2",
+        qkv_bias=True,
+        o_proj_bias=False,
+        hf_config_extras=lambda config: {"use_sliding_window": False},
+        fused_decode_layer=True,
+    ),
+    # Qwen3 (dense): per-head q/k norms; head_dim from the config (it need not be hidden /
+    # heads).
+    ArchSpec(
+        name="Qwen3ForCausalLM",
+        model_type="qwen3",
+        model_class=_LLAMA_CLASS,
+        gguf_name="qwen3",
+        qk_norm=True,
+        hf_config_extras=_one_attention_bias,
+        fused_decode_layer=True,
+    ),
+)
+
+_BY_NAME = {spec.name: spec for spec in SPECS}
+_BY_GGUF = {spec.gguf_name: spec for spec in SPECS if spec.gguf_name is not None}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_NAME)
+
+
+def get_spec(architecture: str) -> ArchSpec:
+    """The spec of an HF architecture name; ValueError naming it and the supported ones."""
+    spec = _BY_NAME.get(architecture)
+    if spec is None:
+        raise ValueError(
+            f"Architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(supported_architectures())})."
+        )
+    return spec
+
+
+def get_gguf_spec(gguf_name: Any) -> ArchSpec:
+    """The spec of a GGUF `general.architecture`; ValueError naming it and the supported ones."""
+    spec = _BY_GGUF.get(gguf_name)
+    if spec is None:
+        raise ValueError(
+            f"GGUF architecture {gguf_name!r} is not supported "
+            f"(supported: {', '.join(sorted(_BY_GGUF))})."
+        )
+    return spec
+
+
+def load_model_class(spec: ArchSpec) -> type:
+    """The model class a spec names, imported now."""
+    import importlib
+
+    module_name, _, class_name = spec.model_class.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

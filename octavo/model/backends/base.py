@@ -1,0 +1,93 @@
+"""The interfaces a model backend fills: LayerOps, AttentionBackend and the AttentionPlan.
+
+A backend is chosen once per engine (select.py) and handed to the model when it is built: each
+layer keeps the ops it calls, so no layer asks at run time which implementation to use. Every
+implementation has a plain-torch reference behind the same interface (TorchOps,
+ReferenceAttention) that the tests compare it with.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from octavo.model.attention.metadata import AttentionMetadata
+
+
+class LayerOps(ABC):
+    """The small ops around the matmuls. Inputs are in the model's compute dtype; results too."""
+
+    name: str = ""
+
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x: (num_tokens, hidden) -> weight * x / rms(x), a new tensor; the mean of squares in
+        float32 whatever x's dtype, cast back before the weight (as HF computes it)."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """(rms_norm(x + residual), x + residual). Both inputs are consumed: their storage may
+        hold the results."""
+
+    @abstractmethod
+    def rms_norm_heads(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """rms_norm over the last dim of (num_tokens, num_heads, head_dim), x possibly a view
+        into a wider projection; returns a new tensor."""
+
+    @abstractmethod
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x * cos + rotate_half(x) * sin for x (num_tokens, num_heads, head_dim) with unit
+        stride in head_dim (it may be a view into a projection), cos, sin (num_tokens,
+        head_dim). May rotate x in place; returns the rotated tensor either way."""
+
+    @abstractmethod
+    def act_and_mul(self, act: str) -> Callable[[Tensor], Tensor]:
+        """The function gate_up (num_tokens, 2 * inter), gate columns first -> act(gate) * up
+        (num_tokens, inter), for HF's hidden_act name `act`. Raises ValueError for an
+        activation this backend does not have."""
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """What one forward's attention needs beyond the tensors: the step's metadata, plus
+    whatever the backend derived from it once for all layers (subclasses). Plain data."""
+
+    metadata: AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV cache: plan once per forward, then per layer write and
+    attend. kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) (model/kv_cache.py)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> AttentionPlan:
+        """Everything derived from the step's metadata that every layer would otherwise repeat
+        (index tensors, masks, kernel arguments). Called once per forward, by the runner."""
+
+    @abstractmethod
+    def write_kv_cache(
+        self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
+    ) -> None:
+        """Store key, value (num_tokens, num_kv_heads, head_dim) at their slots, converting to
+        the cache dtype."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        plan: AttentionPlan,
+        scale: float,
+    ) -> Tensor:
+        """query: (num_tokens, num_heads, head_dim); key, value: this step's (num_tokens,
+        num_kv_heads, head_dim), already written to kv_cache. Returns (num_tokens, num_heads,
+        head_dim) in query's dtype. Must not write to the cache."""

@@ -1,0 +1,226 @@
+"""select_backend: the one place that decides which implementation runs each part of a model.
+
+Called once when the engine's worker is built, with the device, the compute and cache dtypes and
+the backend settings (octavo.config.BackendConfig). The rules:
+
+    device  compute   cache        kernels  attention   layer ops    weights   draw    fused
+    cpu     float32   f32 / bf16   loaded   cpu_paged   cpu_kernels  packed    kernel  opt-in
+    cpu     bf16      f32 / bf16   loaded   cpu_paged   torch        packed    kernel  -
+    cpu     any       float16      loaded   sdpa        (as above)   packed*   kernel  -
+    cpu     any       any          off      sdpa        torch        dense     torch   -
+    other   any       any          -        sdpa        torch        dense     torch   -
+    (* float32 and bfloat16 weights; float16 ones stay dense)
+
+`attention_backend` other than "auto" overrides the attention column (the tests compare every
+backend with "reference" this way); asking for cpu_paged where it cannot run is a ValueError.
+A GPU backend is one more module and one more row here. `ModelBackend.describe()` is what the
+start-up configuration logs of the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from octavo.config import ATTENTION_BACKENDS, BackendConfig
+from octavo.model import memory
+from octavo.model.backends.base import AttentionBackend, LayerOps
+from octavo.model.backends.reference import ReferenceAttention
+from octavo.model.backends.sdpa import SdpaAttention
+from octavo.model.backends.torch_ops import TorchOps
+from octavo.model.cpu import build, fused, packing
+from octavo.model.cpu.calibration import PACKED_MAX_ROWS, MatmulCalibration
+from octavo.model.formats import DenseWeight
+from octavo.model.formats.packed import PackedWeight
+from octavo.model.layers.embedding import VocabEmbedding
+from octavo.model.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelBackend:
+    """The implementations one engine's model runs with, chosen by select_backend."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    attention: AttentionBackend
+    ops: LayerOps
+    # The sampler's random draw (Sampler(draw=...)); None: softmax and torch's search.
+    draw: Callable[[Tensor, Tensor], Tensor] | None
+    # Whether the CPU kernels are loaded: linear weights get packed copies, and the fused
+    # decode layer may run where the compute dtype is float32 and attention is cpu_paged.
+    kernels: bool
+    huge_pages: bool
+    calibration: MatmulCalibration | None
+    # Why the kernels are off ("" when on).
+    kernels_off_reason: str = ""
+    # Filled by prepare_model: what the weights became and whether the fused layer runs.
+    weights_report: dict[str, Any] = field(default_factory=dict)
+    fused_decode_layer: str = "off: not prepared"
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """After the weights are loaded: give every Linear (and a tied embedding used as the
+        output projection) its weight format, then bind the fused decode layer where it is
+        compatible. Mutates the model's modules; call once per model."""
+        self.weights_report = self.prepare_weights(model)
+        reason = self._fused_incompatibility(model)
+        if reason is None:
+            model.model.fused_decode = fused.bind(model)
+            self.fused_decode_layer = "on"
+        else:
+            self.fused_decode_layer = f"off: {reason}"
+
+    def _fused_incompatibility(self, model: nn.Module) -> str | None:
+        if not self.kernels:
+            return "no CPU kernels"
+        if self.dtype != torch.float32:
+            return f"compute dtype {str(self.dtype).removeprefix('torch.')} (float32 only)"
+        if self.attention.name != "cpu_paged":
+            return f"attention backend {self.attention.name}"
+        return fused.incompatibility(model)
+
+    def prepare_weights(self, model: nn.Module) -> dict[str, Any]:
+        """Give every Linear of `model` its weight format (and a VocabEmbedding its head
+        format): packed where the kernels are loaded and the dtype allows, else dense. Returns
+        what they became (counts per format, bytes of packed copies, the calibration)."""
+        targets = [
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, (Linear, VocabEmbedding))
+        ]
+        layouts = {}
+        if self.kernels:
+            for name, module in targets:
+                layout = packing.packed_layout(module.weight)
+                if layout is not None:
+                    layouts[name] = layout
+        # The packed copies share one allocation in huge pages: a decode step streams all of
+        # them, and with 4 KiB pages the TLB misses cost several percent of the batch-1
+        # matmuls' time (BENCHMARKS.md, "Huge pages").
+        slots = dict(
+            zip(layouts, memory.empty_many(list(layouts.values()), huge_pages=self.huge_pages))
+        )
+        for name, module in targets:
+            if name in slots:
+                packed = packing.pack_linear_weight(module.weight, out=slots[name])
+                # The output projection only ever multiplies sampled rows, never a prompt's.
+                is_head = isinstance(module, VocabEmbedding) or name.rpartition(".")[2] == "lm_head"
+                max_rows = (
+                    PACKED_MAX_ROWS
+                    if is_head
+                    else self.calibration.packed_max_rows(module.weight, packed)
+                )
+                fmt = PackedWeight(module.weight, packed, max_rows)
+            else:
+                fmt = DenseWeight(module.weight)
+            if isinstance(module, Linear):
+                module.weight_format = fmt
+            else:
+                module.head_format = fmt
+        formats: dict[str, int] = {}
+        for _, module in targets:
+            fmt = module.weight_format if isinstance(module, Linear) else module.head_format
+            formats[fmt.name] = formats.get(fmt.name, 0) + 1
+        packed_bytes = sum(s.numel() * s.element_size() for s in slots.values())
+        report: dict[str, Any] = {"formats": formats, "packed_bytes": packed_bytes}
+        if slots:
+            logger.info(
+                "packed %d weights for decode-sized matmuls (%.0f MiB more; %s)",
+                len(slots),
+                packed_bytes / 2**20,
+                ", ".join(f"{n} {name}" for name, n in sorted(formats.items())),
+            )
+            report["matmul_calibration"] = self.calibration.report()
+        return report
+
+    def describe(self) -> dict[str, Any]:
+        """The choices as plain data, for the start-up configuration JSON."""
+        return {
+            "device": str(self.device),
+            "compute_dtype": _dtype_name(self.dtype),
+            "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
+            "cpu_kernels": build.isa() if self.kernels else f"off: {self.kernels_off_reason}",
+            "attention": self.attention.name,
+            "layer_ops": self.ops.name,
+            "sampler_draw": "cpu_kernel" if self.draw is not None else "torch",
+            "fused_decode_layer": self.fused_decode_layer,
+            "weights": self.weights_report,
+            "huge_pages": self.huge_pages and memory.huge_pages_supported(self.device),
+        }
+
+
+def select_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    config: BackendConfig,
+) -> ModelBackend:
+    """The backend for this device and these dtypes under `config` (see the module's table).
+    Loads (and on first use builds) the CPU kernels when it picks them. Raises ValueError for
+    an attention_backend that is unknown or cannot run here."""
+    if config.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got "
+            f"{config.attention_backend!r}."
+        )
+    kernels, off_reason = False, ""
+    if device.type != "cpu":
+        off_reason = f"device {device.type}"
+    elif not config.cpu_kernels:
+        off_reason = "cpu_kernels=False"
+    elif not build.load():
+        off_reason = "the build failed (see the warning above)"
+    else:
+        kernels = True
+    paged_ok = kernels and kv_cache_dtype in (torch.float32, torch.bfloat16)
+    attention = _attention(config.attention_backend, paged_ok, dtype, kv_cache_dtype)
+    ops: LayerOps = TorchOps()
+    if kernels and dtype == torch.float32:
+        from octavo.model.backends.cpu import CpuKernelOps
+
+        ops = CpuKernelOps()
+    draw = None
+    if kernels and build.vectorized():
+        from octavo.model.cpu.ops import sample_categorical
+
+        draw = sample_categorical
+    return ModelBackend(
+        device=device,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        attention=attention,
+        ops=ops,
+        draw=draw,
+        kernels=kernels,
+        huge_pages=config.huge_pages,
+        calibration=MatmulCalibration(config.packed_max_rows) if kernels else None,
+        kernels_off_reason=off_reason,
+    )
+
+
+def _attention(
+    name: str, paged_ok: bool, dtype: torch.dtype, kv_cache_dtype: torch.dtype
+) -> AttentionBackend:
+    if name == "reference":
+        return ReferenceAttention()
+    if name == "sdpa" or (name == "auto" and not paged_ok):
+        return SdpaAttention()
+    if not paged_ok:
+        raise ValueError(
+            "attention_backend='cpu_paged' needs the CPU kernels and a float32 or bfloat16 KV "
+            f"cache (kv_cache_dtype={_dtype_name(kv_cache_dtype)})."
+        )
+    from octavo.model.backends.cpu import CpuPagedAttention
+
+    return CpuPagedAttention(dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

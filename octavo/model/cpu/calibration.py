@@ -1,0 +1,144 @@
+"""Which matmul takes a batch of a given size: the packed kernel or torch's GEMM, measured.
+
+Where the two cross depends on the CPU and the weight's shape (BENCHMARKS.md): level or ahead up
+to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512 Intel Xeon ahead up to ~256 rows for most
+shapes and 5-15% behind MKL beyond. So when a model is loaded each weight shape of its decoder
+layers is timed once (`MatmulCalibration`), and the result is part of the start-up
+configuration. Knows nothing of models: weights and their packed copies come in as tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from octavo.model.cpu import ops
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which packed_linear is used where nothing was measured: the output projection,
+# which only sees sampled rows, and a fixed setting's default.
+PACKED_MAX_ROWS = 4096
+# The batch sizes timed, smallest first; how much faster torch must be to take a size (timings
+# on a shared machine wobble by a few percent); and the time of one call beyond which larger
+# sizes are not timed (a large model's weights would take minutes).
+CALIBRATION_ROWS = (128, 256, 512, 1024, 2048)
+CALIBRATION_MARGIN = 0.03
+CALIBRATION_MAX_CALL_S = 0.05
+
+
+def choose_packed_max_rows(timings: list[tuple[int, float, float]], margin: float) -> int:
+    """The row limit for packed_linear from (rows, packed seconds, torch seconds), ascending in
+    rows: the largest size before the first at which torch's GEMM is faster by more than
+    `margin`; PACKED_MAX_ROWS if it never is. Below the smallest size timed the kernel is kept
+    (half of it), as decode-sized batches are what it is for."""
+    limit = 0
+    for rows, packed_s, torch_s in timings:
+        if torch_is_faster(packed_s, torch_s, margin):
+            return limit or rows // 2
+        limit = rows
+    return PACKED_MAX_ROWS
+
+
+def torch_is_faster(packed_s: float, torch_s: float, margin: float = CALIBRATION_MARGIN) -> bool:
+    return torch_s * (1 + margin) < packed_s
+
+
+def time_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call of each named function over `repeats` rounds that run them all in
+    turn, so that the machine's drift hits every one alike (one warm-up call each first)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(max(repeats, 1)):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of packed_linear and of F.linear for `rows` rows, alternated so
+    that a slow moment of the machine hits both."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    n = weight.shape[0]
+    times = time_interleaved(
+        {"packed": lambda: ops.packed_linear(x, packed, n), "torch": lambda: F.linear(x, weight)},
+        repeats,
+    )
+    return min(times["packed"]), min(times["torch"])
+
+
+class MatmulCalibration:
+    """Per weight shape, the row limit up to which the packed kernel takes a matmul.
+
+    Owned by a backend for its process; layers of one shape are timed once. With `fixed_rows`
+    (the `packed_max_rows` setting) nothing is timed and every shape gets that limit. `report()`
+    is what the start-up configuration shows.
+    """
+
+    def __init__(self, fixed_rows: int | None = None, repeats: int = 5) -> None:
+        self.fixed_rows = fixed_rows
+        self.repeats = repeats
+        self._limits: dict[tuple, int] = {}
+        self._timings: dict[tuple, list[tuple[int, float, float]]] = {}
+
+    def packed_max_rows(self, weight: Tensor, packed: Tensor) -> int:
+        """The row limit for this weight (a CPU compute weight, as torch's GEMM gets it) and its
+        packed copy: both timed at CALIBRATION_ROWS, smallest first, until torch's is faster (in
+        two timings running) or one call takes longer than CALIBRATION_MAX_CALL_S, then
+        `choose_packed_max_rows`. ~0.3 s for each of the embedded model's four shapes on two
+        cores."""
+        if self.fixed_rows is not None:
+            return self.fixed_rows
+        key = (tuple(weight.shape), weight.dtype, packed.dtype, torch.get_num_threads())
+        if key not in self._limits:
+            timings = []
+            for rows in CALIBRATION_ROWS:
+                packed_s, torch_s = _time_matmuls(weight, packed, rows, self.repeats)
+                crossed = torch_is_faster(packed_s, torch_s)
+                if crossed:
+                    # A busy moment can fake a crossing: the second timing decides.
+                    packed_s, torch_s = _time_matmuls(weight, packed, rows, self.repeats)
+                    crossed = torch_is_faster(packed_s, torch_s)
+                timings.append((rows, packed_s, torch_s))
+                if crossed or packed_s > CALIBRATION_MAX_CALL_S:
+                    break
+            self._limits[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
+            self._timings[key] = timings
+            logger.info(
+                "%d x %d weight: packed matmul up to %d rows, torch's GEMM above (%s)",
+                weight.shape[0],
+                weight.shape[1],
+                self._limits[key],
+                ", ".join(f"{r} rows {p * 1e3:.2f} vs {t * 1e3:.2f} ms" for r, p, t in timings),
+            )
+        return self._limits[key]
+
+    def report(self) -> dict[str, Any]:
+        """Plain data for the start-up configuration: the fixed limit, or each shape's limit
+        with the timings (ms) it was chosen from."""
+        if self.fixed_rows is not None:
+            return {"fixed_max_rows": self.fixed_rows}
+        return {
+            "shapes": [
+                {
+                    "shape": list(shape),
+                    "packed_dtype": str(packed_dtype).removeprefix("torch."),
+                    "max_rows": self._limits[key],
+                    "timings_ms": [
+                        [rows, round(p * 1e3, 3), round(t * 1e3, 3)]
+                        for rows, p, t in self._timings[key]
+                    ],
+                }
+                for key in self._limits
+                for shape, _, packed_dtype, _ in [key]
+            ]
+        }

@@ -1,0 +1,58 @@
+// The operators this library registers as torch.ops.octavo.* (registration.cpp), one kernel
+// family per source file. Shapes, dtypes and layouts are checked by the Python wrappers
+// (octavo/model/cpu/ops.py), whose docstrings give each contract; the plain-torch versions the
+// tests compare against are in octavo/model/cpu/reference.py.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace octavo {
+
+// decode_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, double scale);
+
+// prefill_attention.cpp
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& query_lens,
+                             const at::Tensor& seq_lens, double scale);
+
+// packed_linear.cpp
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim);
+int64_t packed_panel();
+
+// elementwise.cpp
+void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
+              bool has_residual);
+void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                    const at::Tensor& slot_mapping);
+
+// decode_layer.cpp
+at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                        const c10::optional<at::Tensor>& o_bias,
+                        const at::Tensor& gate_up_weight,
+                        const c10::optional<at::Tensor>& gate_up_bias,
+                        const at::Tensor& down_weight, const c10::optional<at::Tensor>& down_bias,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t intermediate_size, double scale, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor kv_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens);
+
+// sampling.cpp
+at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform);
+
+// registration.cpp: whether this build has the AVX2 paths (else every kernel runs plain loops).
+bool vectorized();
+
+}  // namespace octavo

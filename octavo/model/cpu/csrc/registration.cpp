@@ -1,0 +1,81 @@
+// CPU kernels for the places where a general-purpose library does badly on this workload:
+//
+//  - paged_decode_attention (decode_attention.cpp): one query token per request attends to its
+//    keys and values where they lie in the paged cache, block by block, with no gather into a
+//    padded copy, and paged_prefill_attention (prefill_attention.cpp), the same for prompt
+//    chunks (causal, flash-attention style);
+//  - packed_linear (packed_linear.cpp, panels.h): out = x @ W^T from a copy of W packed at load
+//    time into panels of columns (float32, or bfloat16 widened in registers; accumulation in
+//    fp32): at decode sizes BLAS GEMMs run far below memory bandwidth, and up to prompt sizes it
+//    keeps level with them.
+//
+// Beside them (elementwise.cpp), RMSNorm (with the residual add), rotary embedding, SiLU-and-mul
+// and the KV cache write, one pass each over the data instead of the half-dozen ops (and
+// temporaries) they take in torch, which dominate a decode step's op count once the matmuls are
+// fast; the sampler's draw (sampling.cpp); and a whole decoder layer for decode rows as one call
+// of the others (decode_layer.cpp). simd.h holds the vector helpers they share.
+//
+// All are registered here as torch operators (torch.ops.octavo.*) and parallelised with
+// at::parallel_for, so they share torch's thread pool instead of starting another one.
+
+#include <torch/library.h>
+
+#include "ops.h"
+#include "panels.h"
+
+namespace octavo {
+
+int64_t packed_panel() { return kPanel; }
+
+bool vectorized() {
+#ifdef OCTAVO_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace octavo
+
+TORCH_LIBRARY(octavo, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
+      "Tensor seq_lens, float scale) -> ()");
+  m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
+  m.def("packed_panel() -> int", &octavo::packed_panel);
+  m.def(
+      "rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool has_residual)"
+      " -> ()");
+  m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("sample_categorical(Tensor(a!) logits, Tensor uniform) -> Tensor");
+  // Whether this build has the AVX2 paths (else every kernel runs its plain loops).
+  m.def("vectorized() -> bool", &octavo::vectorized);
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping)"
+      " -> ()");
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
+      "Tensor post_norm, float eps, Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, "
+      "Tensor? o_bias, Tensor gate_up_weight, Tensor? gate_up_bias, Tensor down_weight, "
+      "Tensor? down_bias, int num_heads, int num_kv_heads, int head_dim, "
+      "int intermediate_size, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(octavo, CPU, m) {
+  m.impl("paged_decode_attention", &octavo::paged_decode_attention);
+  m.impl("paged_prefill_attention", &octavo::paged_prefill_attention);
+  m.impl("packed_linear", &octavo::packed_linear);
+  m.impl("rms_norm", &octavo::rms_norm);
+  m.impl("rotary", &octavo::rotary);
+  m.impl("silu_and_mul", &octavo::silu_and_mul);
+  m.impl("sample_categorical", &octavo::sample_categorical);
+  m.impl("write_kv_cache", &octavo::write_kv_cache);
+  m.impl("decode_layer", &octavo::decode_layer);
+}

@@ -1,0 +1,109 @@
+"""FusedDecodeLayer: a whole Llama-style decoder layer over decode rows as one kernel call.
+
+At small batches the ~25 torch ops and Python calls around the kernels of each layer cost as
+much as the work, so for a step whose rows are all single-token decodes each layer runs as one
+`ops.decode_layer` call, which makes the same kernel calls in the same order as the layer's
+Python code (same results). The kernel hard-codes that code's assumptions, so it is opt-in: an
+architecture's ArchSpec must ask for it (`fused_decode_layer`), and `incompatibility(model)`
+checks everything the kernel assumes of the layers as loaded; anything it does not recognise
+keeps the model on its own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from octavo.model.arch import get_spec
+from octavo.model.cpu import ops
+from octavo.model.formats.packed import PackedWeight
+
+
+class FusedDecodeLayers:
+    """The bound kernel arguments of every layer of one model; called by the model's forward
+    for an all-decode step of the CPU paged attention backend."""
+
+    def __init__(self, layer_args: list[tuple]) -> None:
+        self.layer_args = layer_args
+
+    def __call__(
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor], plan
+    ) -> tuple[Tensor, Tensor]:
+        """hidden: (num_tokens, hidden) float32, the embeddings; plan: the step's PagedPlan.
+        Returns (the last layer's output, the residual stream before it), as the model's own
+        loop over its layers does."""
+        decode = plan.decode
+        # A zero residual makes the first layer's add a no-op (x + 0 == x), so its norm sees
+        # what the unfused first layer's does.
+        residual = torch.zeros_like(hidden)
+        for args, kv_cache in zip(self.layer_args, kv_caches, strict=True):
+            hidden = ops.decode_layer(
+                hidden,
+                residual,
+                args,
+                cos,
+                sin,
+                kv_cache,
+                plan.metadata.slot_mapping,
+                decode.block_table,
+                decode.seq_lens,
+            )
+        return hidden, residual
+
+
+def incompatibility(model: nn.Module) -> str | None:
+    """Why the fused layer cannot run this loaded model, or None if it can: the architecture
+    opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
+    one eps per layer, and every projection in the packed format."""
+    from octavo.model.llama import LlamaDecoderLayer
+
+    config = model.config
+    if not get_spec(config.architecture).fused_decode_layer:
+        return f"{config.architecture} does not use it"
+    if config.hidden_act != "silu":
+        return f"hidden_act={config.hidden_act!r}"
+    for layer in model.model.layers:
+        if type(layer) is not LlamaDecoderLayer:
+            return f"{type(layer).__name__} is not the Llama decoder layer"
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qk_norm:
+            return "per-head q/k norms"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(norm.weight.dtype != torch.float32 for norm in norms):
+            return "norm weights are not float32"
+        if norms[0].eps != norms[1].eps:
+            return "the layer's two norms differ in eps"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(linear.weight_format, PackedWeight):
+                return f"a projection's weight format is {linear.weight_format.name}"
+    return None
+
+
+def bind(model: nn.Module) -> FusedDecodeLayers:
+    """The kernel arguments of every layer (weights are fixed once loaded). Call only when
+    incompatibility(model) is None."""
+    layer_args = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        layer_args.append(
+            (
+                norms[0].weight,
+                norms[1].weight,
+                norms[0].eps,
+                attn.qkv_proj.weight_format.packed,
+                attn.qkv_proj.bias,
+                attn.o_proj.weight_format.packed,
+                attn.o_proj.bias,
+                mlp.gate_up_proj.weight_format.packed,
+                mlp.gate_up_proj.bias,
+                mlp.down_proj.weight_format.packed,
+                mlp.down_proj.bias,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                mlp.down_proj.in_features,
+                attn.attn.scale,
+            )
+        )
+    return FusedDecodeLayers(layer_args)

@@ -1,0 +1,144 @@
+"""The CPU kernels as Python functions: one thin wrapper per torch.ops.octavo operator.
+
+Each docstring is the operator's contract (shapes, dtypes, layouts, what is overwritten); the
+C++ trusts it, so callers (the CPU backend in model/backends/cpu.py) must keep it. Conversions
+happen here only where a caller may legitimately pass another dtype or layout, and only when
+needed: these run once per layer per step, where a no-op call still costs microseconds. Call
+them only after `build.load()` returned True. reference.py holds the plain-torch versions the
+tests compare them with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def paged_decode_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """query: (num_seqs, num_heads, head_dim); key_cache, value_cache: (num_blocks, block_size,
+    num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
+    max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1. Returns (num_seqs, num_heads,
+    head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads)."""
+    dtype = query.dtype
+    if not (dtype == torch.float32 and query.is_contiguous()):
+        query = query.float().contiguous()
+    out = torch.ops.octavo.paged_decode_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale
+    )
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def paged_prefill_attention(
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> None:
+    """Causal attention for chunks of several query tokens, over keys read from the paged
+    cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
+    contiguous, query with its heads contiguous within a token (see heads_contiguous: a view
+    into a wider projection is read in place); caches as for paged_decode_attention;
+    block_table: (num_chunks, max_blocks) int32; query_start, query_lens, seq_lens:
+    (num_chunks,) int32. Chunk c is rows query_start[c] .. + query_lens[c] of query; its row i
+    sits at position seq_lens[c] - query_lens[c] + i and sees keys 0..that position (its own
+    included: the chunk's keys must already be in the cache). Rows outside the chunks are left
+    as they are."""
+    torch.ops.octavo.paged_prefill_attention(
+        out, query, key_cache, value_cache, block_table, query_start, query_lens, seq_lens, scale
+    )
+
+
+def packed_linear(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    """x: (m, k) any float dtype; packed: from packing.pack_linear_weight of an (n, k) weight.
+    Returns x @ weight^T as (m, n) float32."""
+    if not (x.dtype == torch.float32 and x.is_contiguous()):
+        x = x.float().contiguous()
+    return torch.ops.octavo.packed_linear(x, packed, n)
+
+
+def rms_norm_(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> None:
+    """In place. x: (num_tokens, hidden) float32 contiguous; weight: (hidden,) float32.
+    Without residual: x <- weight * x / rms(x). With residual (same shape, contiguous):
+    residual <- x + residual, then x <- weight * residual / rms(residual)."""
+    has_residual = residual is not None
+    torch.ops.octavo.rms_norm(x, residual if has_residual else x, weight, eps, has_residual)
+
+
+def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place: x <- x * cos + rotate_half(x) * sin. x: (num_tokens, num_heads, head_dim)
+    float32 with unit stride in head_dim; cos, sin: (num_tokens, head_dim) float32."""
+    torch.ops.octavo.rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up: (num_tokens, 2 * inter) float32 contiguous, gate columns first. Returns
+    silu(gate) * up, (num_tokens, inter)."""
+    return torch.ops.octavo.silu_and_mul(gate_up)
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """key, value: (num_tokens, num_kv_heads, head_dim) float32 whose heads are contiguous
+    within a token (heads_contiguous); kv_cache: (2, num_blocks, block_size, num_kv_heads,
+    head_dim) contiguous, float32 or bfloat16; slot_mapping: (num_tokens,) int64. Stores token
+    t's key and value at slot slot_mapping[t], in the cache's dtype (bf16 rounded to nearest
+    even, as torch converts)."""
+    torch.ops.octavo.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def sample_categorical(logits: Tensor, uniform: Tensor) -> Tensor:
+    """One token per row of (rows, vocab) float32 logits, drawn by inverse CDF with uniform
+    (rows,) or (rows, 1) float32 in [0, 1): the first token whose cumulative softmax
+    probability exceeds u, as the sampler's torch path (softmax, then
+    octavo.sample.ops.topk_topp.random_sample's search). A token at -inf is never picked.
+    Overwrites logits (with unnormalised probabilities). Returns (rows,) int64."""
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    return torch.ops.octavo.sample_categorical(logits, uniform.reshape(-1))
+
+
+def decode_layer(
+    hidden: Tensor,
+    residual: Tensor,
+    layer_args: tuple,
+    cos: Tensor,
+    sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+) -> Tensor:
+    """One Llama-style decoder layer over rows that are all single-token decodes, as one call of
+    the kernels above in the order the model's Python layer makes them (same results).
+    hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
+    residual becomes the stream after this layer's attention. layer_args: the layer's weights
+    and sizes, (input_norm, post_norm, eps, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
+    down, down_bias, num_heads, num_kv_heads, head_dim, intermediate_size, scale) with packed
+    weights and optional biases (fused.py builds them); cos, sin: (num_tokens, head_dim)
+    float32; the last three as for paged_decode_attention, slot_mapping as for write_kv_cache.
+    Returns the layer's output."""
+    return torch.ops.octavo.decode_layer(
+        hidden, residual, *layer_args, cos, sin, kv_cache, slot_mapping, block_table, seq_lens
+    )
+
+
+def heads_contiguous(x: Tensor) -> bool:
+    """Whether each token's heads of x (..., num_heads, head_dim) lie one after another, as the
+    kernels that take views into a wider projection read them."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def reads_cache_dtype(dtype: torch.dtype) -> bool:
+    """Whether the paged attention kernels and write_kv_cache take a cache of this dtype."""
+    return dtype in (torch.float32, torch.bfloat16)

@@ -1,0 +1,56 @@
+"""LinearWeight, the interface of a weight format, and DenseWeight, the float one."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class LinearWeight(ABC):
+    """One linear layer's (n, k) weight in some storage format."""
+
+    # Short name for the start-up log ("dense", "packed-bf16", ...).
+    name: str = ""
+
+    @abstractmethod
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """x: (m, k) -> x @ W^T + bias, (m, n) in x's dtype. Reads, never writes, the weight."""
+
+    @abstractmethod
+    def dequantize(self) -> Tensor:
+        """The (n, k) weight this format stands for, as a float tensor (its reference)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this format keeps in memory for the weight (every copy it holds)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(n, k): output and input features."""
+        return tuple(self.dequantize().shape)  # type: ignore[return-value]
+
+
+class DenseWeight(LinearWeight):
+    """The checkpoint's float tensor, multiplied by torch's GEMM (any device, any float dtype)."""
+
+    name = "dense"
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight  # (n, k)
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def dequantize(self) -> Tensor:
+        return self.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
