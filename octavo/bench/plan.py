@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from octavo.core.request import FinishReason
+
 
 @dataclass(frozen=True)
 class CapacityPlan:
@@ -75,7 +77,7 @@ def read_request_log(lines: Iterable[str]) -> list[dict[str, Any]]:
 def make_plan(records: list[dict[str, Any]], kv_cache_tokens: int) -> CapacityPlan:
     if kv_cache_tokens < 1:
         raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}.")
-    kept = [r for r in records if r.get("finish_reason") != "abort"]
+    kept = [r for r in records if r.get("finish_reason") != FinishReason.ABORT]
     if not kept:
         raise ValueError("the request log holds no finished (non-aborted) request.")
     prompts = [r["prompt_tokens"] for r in kept]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.admission import ADMISSION_POLICIES
 from octavo.core.outputs import ModelRunnerOutput
-from octavo.core.request import Request
+from octavo.core.request import Request, ResolvedParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler import Scheduler
 from octavo.core.scheduler_output import SchedulerOutput
@@ -254,8 +254,8 @@ def run_policy(
 
 def _make_request(item: TraceRequest) -> Request:
     params = SamplingParams(max_tokens=item.max_tokens)
-    params.all_stop_token_ids = {EOS_TOKEN_ID}
-    return Request(item.request_id, item.prompt_token_ids, params, item.max_tokens, item.arrival_s)
+    resolved = ResolvedParams(item.max_tokens, frozenset({EOS_TOKEN_ID}))
+    return Request(item.request_id, item.prompt_token_ids, params, resolved, item.arrival_s)
 
 
 # --- the command ------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octavo.core.request import FinishReason
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
@@ -34,8 +36,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
-    # "stop" | "length" | "abort" once the request has finished, else None.
-    finish_reason: str | None = None
+    # Set once the request has finished, else None.
+    finish_reason: FinishReason | None = None
     # The stop token id that ended it (None for EOS or a length cap).
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from octavo.core.sampling_params import SamplingParams
@@ -43,6 +44,18 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class ResolvedParams:
+    """What the engine resolves of a request's SamplingParams against the model, once, before
+    the scheduler sees the request (InputProcessor.resolve_params)."""
+
+    # The user's max_tokens, or what max_model_len leaves after the prompt.
+    max_tokens: int
+    # The token ids that end the request: the user's stop_token_ids, and the model's EOS ids
+    # unless ignore_eos.
+    stop_token_ids: frozenset[int]
+
+
 class RequestGrammar(Protocol):
     """One request's output constraint, as the scheduler uses it. Each request (each n > 1
     child too) has its own: the state advances with that request's tokens only."""
@@ -69,17 +82,19 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        max_tokens: int,
+        resolved: ResolvedParams,
         arrival_time: float | None = None,
         grammar: RequestGrammar | None = None,
     ) -> None:
-        """`max_tokens` is resolved by the engine: the user's value, or what max_model_len
-        leaves after the prompt. The caller has checked prompt + max_tokens fits. `grammar` is
-        set for a structured-output request; it sees every output token exactly once."""
+        """`resolved` is the engine's: the effective max_tokens (the caller has checked that
+        prompt + max_tokens fits) and the stop token ids. `sampling_params` is the request's
+        own copy, which nothing changes afterwards. `grammar` is set for a structured-output
+        request; it sees every output token exactly once."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens
+        self.max_tokens = resolved.max_tokens
+        self.stop_token_ids = resolved.stop_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.grammar = grammar
 

@@ -6,8 +6,9 @@ a request is ever admitted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
@@ -90,8 +91,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # Filled by the engine from the model's EOS ids (generation_config); not a user knob.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -110,7 +109,6 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, value: object, must: str) -> ValueError:
@@ -168,10 +166,11 @@ class SamplingParams:
         )
 
     def clone(self) -> SamplingParams:
-        """A copy for one child of an n > 1 request (lists copied, not shared)."""
-        params = SamplingParams(**{k: getattr(self, k) for k in _USER_FIELDS})
-        params.all_stop_token_ids = set(self.all_stop_token_ids)
-        return params
-
-
-_USER_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "all_stop_token_ids"]
+        """A copy the engine keeps (one per child of an n > 1 request): lists copied, not
+        shared, so a caller changing its own SamplingParams later changes nothing queued."""
+        return dataclasses.replace(
+            self,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+        )

@@ -240,6 +240,7 @@ class Scheduler:
                 prompt_token_ids=list(request.prompt_token_ids),
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
+                stop_token_ids=request.stop_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
             )
@@ -313,7 +314,7 @@ class Scheduler:
                     request_id=request_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
-                    finish_reason=None if finish_reason is None else str(finish_reason),
+                    finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
@@ -329,7 +330,7 @@ class Scheduler:
             request.append_output_token_ids([token_id])
             if (
                 request.num_output_tokens >= params.min_tokens
-                and token_id in params.all_stop_token_ids
+                and token_id in request.stop_token_ids
             ):
                 request.status = RequestStatus.FINISHED_STOPPED
                 # A user's stop token is reported; EOS is not (vLLM's stop_reason).

@@ -24,6 +24,9 @@ class NewRequestData:
     # recomputes their KV like prompt tokens, but penalties count them as output.
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    # The resolved stop token ids (EOS unless ignore_eos, and the user's): min_tokens holds
+    # them back while sampling.
+    stop_token_ids: frozenset[int]
     # All of the request's blocks, in order (prefix-cache hits first).
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix hits); the step computes from here.

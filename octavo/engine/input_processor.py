@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from octavo.core.request import ResolvedParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.structured_output import StructuredOutputManager
 
@@ -142,8 +143,10 @@ class InputProcessor:
             )
         return ProcessedPrompt(prompt, token_ids)
 
-    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> int:
-        """Fill the engine-owned fields of `params`; return the request's effective max_tokens."""
+    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> ResolvedParams:
+        """Check `params` against the model and the prompt's length, and resolve what the
+        engine decides for it: the effective max_tokens and the stop token ids. Does not change
+        `params`. Raises ValueError naming the parameter."""
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -166,5 +169,5 @@ class InputProcessor:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
-        params.all_stop_token_ids = stop_ids
-        return room if params.max_tokens is None else params.max_tokens
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        return ResolvedParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_ids))

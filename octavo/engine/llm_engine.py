@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from octavo.config import EngineArgs, EngineConfig, capacity_line
 from octavo.core.outputs import EngineCoreOutput
-from octavo.core.request import Request
+from octavo.core.request import FinishReason, Request
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler import Scheduler
 from octavo.core.scheduler_output import SchedulerOutput
@@ -136,7 +136,7 @@ class LLMEngine:
             else self.input_processor.process_prompt(prompt)
         )
         params = sampling_params.clone()
-        max_tokens = self.input_processor.resolve_params(params, len(processed.prompt_token_ids))
+        resolved = self.input_processor.resolve_params(params, len(processed.prompt_token_ids))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]
@@ -164,13 +164,13 @@ class LLMEngine:
                 child_id,
                 processed.prompt_token_ids,
                 child_params,
-                max_tokens,
+                resolved,
                 arrival_time,
                 grammar,
             )
             self.scheduler.add_request(request)
             self.stats_tracker.add_request(
-                child_id, arrival_time, len(processed.prompt_token_ids), max_tokens
+                child_id, arrival_time, len(processed.prompt_token_ids), resolved.max_tokens
             )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -181,7 +181,7 @@ class LLMEngine:
         self.scheduler.abort_requests(core_ids)
         now = time.monotonic()
         for core_id in core_ids:
-            self.stats_tracker.record_finished(core_id, "abort", now)
+            self.stats_tracker.record_finished(core_id, FinishReason.ABORT, now)
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -237,9 +237,9 @@ class LLMEngine:
             tracker.record_tokens(output.request_id, len(output.new_token_ids), now)
             if output.finish_reason is not None:
                 tracker.record_finished(output.request_id, output.finish_reason, now)
-        # Stopped by a stop string: the scheduler saw an abort, the caller sees "stop".
+        # Stopped by a stop string: the scheduler saw an abort, the caller sees STOP.
         for request_id in stopped_req_ids:
-            tracker.record_finished(request_id, "stop", now)
+            tracker.record_finished(request_id, FinishReason.STOP, now)
         iteration_stats = tracker.take_iteration_stats(scheduler_output.total_num_scheduled_tokens)
         if not self.stat_loggers:
             return

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.core.outputs import EngineCoreOutput
+from octavo.core.request import FinishReason
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.detokenizer import Detokenizer, get_backend_tokenizer
 from octavo.engine.outputs import (
@@ -41,7 +42,7 @@ class OutputKind(enum.IntEnum):
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Core request ids that hit a stop string this step; the engine aborts them in the
-    # scheduler. Their outputs already say finish_reason "stop".
+    # scheduler. Their outputs already say FinishReason.STOP.
     reqs_to_abort: list[str]
 
 
@@ -58,7 +59,7 @@ class _CompletionState:
     # None unless the request asked for logprobs.
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # Prefix-cache hits the scheduler reported; -1 until it has.
     num_cached_tokens: int = -1
@@ -162,7 +163,7 @@ class OutputProcessor:
             stop_string = self._append_output(completion, output)
             # 3) Finish.
             if stop_string is not None:
-                completion.finish_reason = "stop"
+                completion.finish_reason = FinishReason.STOP
                 completion.stop_reason = stop_string
                 if output.finish_reason is None:
                     reqs_to_abort.append(output.request_id)
@@ -186,7 +187,7 @@ class OutputProcessor:
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Finishes requests with finish_reason "abort"; unknown ids are ignored.
+        """Finishes requests with FinishReason.ABORT; unknown ids are ignored.
 
         Takes parent or plain ids (a child id aborts that child only). Returns the core ids the
         scheduler must abort. The final RequestOutputs come from the next `process_outputs`
@@ -204,7 +205,7 @@ class OutputProcessor:
             else:
                 continue
             for completion in targets:
-                completion.finish_reason = "abort"
+                completion.finish_reason = FinishReason.ABORT
                 completion.stop_reason = None
                 self._finish_completion(request, completion)
                 core_ids.append(completion.core_request_id)
@@ -228,8 +229,8 @@ class OutputProcessor:
 
     def _append_output(self, completion: _CompletionState, output: EngineCoreOutput) -> str | None:
         """Step 2 for one completion; returns the stop string it hit, if any."""
-        # A "stop" from the scheduler means the last token is EOS or a stop token id.
-        stop_terminated = output.finish_reason == "stop"
+        # STOP from the scheduler means the last token is EOS or a stop token id.
+        stop_terminated = output.finish_reason == FinishReason.STOP
         update = completion.detokenizer.update(output.new_token_ids, stop_terminated)
         num_kept = update.num_kept_tokens
         completion.token_ids.extend(output.new_token_ids[:num_kept])

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from octavo.core.outputs import TokenLogprobs
+from octavo.core.request import FinishReason
 
 
 @dataclass(slots=True)
@@ -26,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # The stop string or stop token id that ended it; None for EOS or length.
     stop_reason: int | str | None = None
 

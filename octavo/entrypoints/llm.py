@@ -115,7 +115,7 @@ class LLM:
             p if isinstance(p, ProcessedPrompt) else processor.process_prompt(p) for p in prompts
         ]
         for prompt, params in zip(processed, params_list):
-            processor.resolve_params(params.clone(), len(prompt.prompt_token_ids))
+            processor.resolve_params(params, len(prompt.prompt_token_ids))  # checks only
         request_ids = []
         for prompt, params in zip(processed, params_list):
             request_id = engine.next_request_id()

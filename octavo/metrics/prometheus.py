@@ -22,10 +22,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from octavo.core.request import FinishReason
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 LABEL_NAMES = ["model_name"]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = tuple(FinishReason)
 
 # vLLM's buckets, so that dashboards built on its quantiles read the same.
 TTFT_BUCKETS_S = [

@@ -1,7 +1,8 @@
 """Metric snapshots as plain dataclasses: what the scheduler and the engine report, what
 loggers read.
 
-A leaf: imports nothing from octavo, knows nothing of Prometheus or log formats. Cumulative
+A leaf: imports nothing from octavo (FinishReason only as a type), knows nothing of
+Prometheus or log formats. Cumulative
 counters stay cumulative in SchedulerStats; IterationStats carries one step's deltas.
 Times are seconds from `time.monotonic()`, measured by the engine (never by `core`).
 """
@@ -9,7 +10,10 @@ Times are seconds from `time.monotonic()`, measured by the engine (never by `cor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from octavo.core.request import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,7 @@ class FinishedRequestStats:
     child of an n > 1 request counts on its own, as in vLLM)."""
 
     request_id: str
-    # "stop" | "length" | "abort"
-    finish_reason: str
+    finish_reason: FinishReason
     num_prompt_tokens: int
     num_generation_tokens: int
     # The request's effective max_tokens (the user's value or what max_model_len left).

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from octavo.core.request import FinishReason
 from octavo.metrics.stats import FinishedRequestStats, IterationStats
 
 
@@ -91,7 +92,7 @@ class RequestStatsTracker:
             iteration.eviction_freezes_s.append(now - eviction_time)
         times.pending_eviction_times.clear()
 
-    def record_finished(self, request_id: str, finish_reason: str, now: float) -> None:
+    def record_finished(self, request_id: str, finish_reason: FinishReason, now: float) -> None:
         """The request's end; unknown or already finished ids are ignored."""
         times = self._requests.pop(request_id, None)
         if times is None:

@@ -109,9 +109,9 @@ class Sampler(nn.Module):
                 logits,
                 metadata.prompt_token_ids,
                 output_token_ids,
-                metadata.presence_penalties,
-                metadata.frequency_penalties,
-                metadata.repetition_penalties,
+                metadata.presence_penalty,
+                metadata.frequency_penalty,
+                metadata.repetition_penalty,
             )
 
     def sample(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:

@@ -4,7 +4,8 @@ Rows [0, num_reqs) are the requests the runner knows about. A request keeps its 
 finishes or is preempted; then the last row moves into the hole so the live rows stay dense and
 per-row arrays can be sliced `[:num_reqs]`. Token ids and block tables live in preallocated
 numpy arrays on the host (they feed index arithmetic, not the model directly); only the flat
-per-step inputs are copied to the device.
+per-step inputs are copied to the device. The per-row sampling parameters are one array per
+entry of octavo.sample.metadata.ROW_PARAMS, filled, moved and read by that table alone.
 
 It never sees a Request object: everything arrives through SchedulerOutput data.
 """
@@ -18,12 +19,15 @@ import torch
 
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler_output import NewRequestData
+from octavo.sample.metadata import ROW_PARAMS
 
 
 @dataclass(slots=True)
 class RowState:
     request_id: str
     sampling_params: SamplingParams
+    # The token ids min_tokens holds back: EOS (unless ignore_eos) and the user's stop ids.
+    stop_token_ids: frozenset[int]
     generator: torch.Generator | None
 
 
@@ -40,13 +44,10 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Per-row sampling knobs, as arrays so a step slices them instead of looping.
-        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
-        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
-        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
-        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
-        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.sampling = {
+            param.name: np.full(max_num_reqs, param.neutral, dtype=param.dtype)
+            for param in ROW_PARAMS
+        }
         self.rows: list[RowState] = []
         self.row_of: dict[str, int] = {}
 
@@ -68,14 +69,9 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, data.block_ids)
         params = data.sampling_params
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.rows.append(RowState(data.request_id, params, generator))
+        for name, values in self.sampling.items():
+            values[row] = getattr(params, name)
+        self.rows.append(RowState(data.request_id, params, data.stop_token_ids, generator))
         self.row_of[data.request_id] = row
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -107,13 +103,7 @@ class InputBatch:
             self.num_prompt_tokens,
             self.num_computed_tokens,
             self.num_blocks,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.repetition_penalty,
+            *self.sampling.values(),
         ):
             array[dst] = array[src]
         self.rows[dst] = self.rows[src]

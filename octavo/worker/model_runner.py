@@ -21,7 +21,7 @@ from octavo.model.backends import ModelBackend
 from octavo.model.backends.base import AttentionPlan
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
-from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import InputBatch
@@ -202,35 +202,31 @@ class ModelRunner:
     def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         batch = self.input_batch
         states = [batch.rows[row] for row in rows]
-        temperature = batch.temperature[rows]
-        penalized = [i for i, s in enumerate(states) if s.sampling_params.has_penalties]
-
-        def optional(array: np.ndarray, is_on: np.ndarray) -> torch.Tensor | None:
-            return self._to_device(array[rows]) if is_on.any() else None
-
-        min_tokens_stop_ids: dict[int, set[int]] = {}
+        # 1) The per-row parameters: a tensor where some row leaves the neutral value.
+        values: dict[str, torch.Tensor | None] = {}
+        reads_tokens = False
+        for param in ROW_PARAMS:
+            column = batch.sampling[param.name][rows]
+            is_on = param.always or bool((column != param.neutral).any())
+            values[param.name] = self._to_device(column) if is_on else None
+            reads_tokens |= is_on and param.reads_tokens
+        # 2) What the sampler derives from the temperatures once.
+        temperature = batch.sampling["temperature"][rows]
+        # 3) Per-row lookups only for the rows that need them.
+        min_tokens_stop_ids: dict[int, frozenset[int]] = {}
         for i, (row, state) in enumerate(zip(rows, states)):
-            params = state.sampling_params
             num_output = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
-            if num_output < params.min_tokens and params.all_stop_token_ids:
-                min_tokens_stop_ids[i] = params.all_stop_token_ids
+            if num_output < state.sampling_params.min_tokens and state.stop_token_ids:
+                min_tokens_stop_ids[i] = state.stop_token_ids
         requested = [
             s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None
         ]
         metadata = SamplingMetadata(
-            temperature=self._to_device(temperature),
+            **values,
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
             scale_by_temperature=bool(((temperature != 0) & (temperature != 1)).any()),
-            top_k=optional(batch.top_k, batch.top_k[rows] > 0),
-            top_p=optional(batch.top_p, batch.top_p[rows] < 1),
-            min_p=optional(batch.min_p, batch.min_p[rows] > 0),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            presence_penalties=None,
-            frequency_penalties=None,
-            repetition_penalties=None,
-            prompt_token_ids=None,
-            output_token_ids=[],
             min_tokens_stop_ids=min_tokens_stop_ids,
             logit_bias={
                 i: s.sampling_params.logit_bias
@@ -239,15 +235,13 @@ class ModelRunner:
             },
             max_num_logprobs=max(requested) if requested else None,
         )
-        if penalized:
-            self._add_penalties(metadata, rows)
+        if reads_tokens:
+            self._add_token_ids(metadata, rows)
         return metadata
 
-    def _add_penalties(self, metadata: SamplingMetadata, rows: list[int]) -> None:
+    def _add_token_ids(self, metadata: SamplingMetadata, rows: list[int]) -> None:
+        """The prompt and output tokens of the rows, for the penalties that count them."""
         batch = self.input_batch
-        metadata.presence_penalties = self._to_device(batch.presence_penalty[rows])
-        metadata.frequency_penalties = self._to_device(batch.frequency_penalty[rows])
-        metadata.repetition_penalties = self._to_device(batch.repetition_penalty[rows])
         prompt_lens = batch.num_prompt_tokens[rows]
         # (num_rows, max_prompt_len), padded with vocab_size (a column the penalties drop).
         prompts = np.full((len(rows), int(prompt_lens.max())), self.vocab_size, dtype=np.int64)

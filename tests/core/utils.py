@@ -6,7 +6,7 @@ from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.admission import AdmissionPolicy
 from octavo.core.block_hash import extend_block_hashes
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
-from octavo.core.request import Request
+from octavo.core.request import Request, ResolvedParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler import Scheduler
 from octavo.core.scheduler_output import SchedulerOutput
@@ -55,9 +55,11 @@ def make_request(
     scheduler fills them itself in add_request).
     """
     sampling_params = SamplingParams(max_tokens=max_tokens, **params)
+    stop_ids = set(sampling_params.stop_token_ids)
     if eos_token_id is not None:
-        sampling_params.all_stop_token_ids.add(eos_token_id)
-    request = Request(request_id, prompt_token_ids, sampling_params, max_tokens, arrival_time=0.0)
+        stop_ids.add(eos_token_id)
+    resolved = ResolvedParams(max_tokens, frozenset(stop_ids))
+    request = Request(request_id, prompt_token_ids, sampling_params, resolved, arrival_time=0.0)
     if block_size is not None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, block_size)
     return request

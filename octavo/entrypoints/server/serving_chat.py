@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from octavo.core.request import FinishReason
 from octavo.engine.async_engine import EngineRequest
 from octavo.engine.outputs import CompletionOutput
 from octavo.entrypoints.server.chat_render import chat_render_from
@@ -255,7 +256,7 @@ class _Run:
 
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     # A choice that stopped on its own after calling tools is waiting for their results.
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+    return "tool_calls" if called and finish_reason == FinishReason.STOP else finish_reason
 
 
 def _final_message(choice: _Choice) -> tuple[ChatMessage, str | None]:

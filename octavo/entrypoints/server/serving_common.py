@@ -248,7 +248,7 @@ async def process_prompt(
         else:
             processed = make()
         processor = context.async_engine.engine.input_processor
-        processor.resolve_params(params.clone(), len(processed.prompt_token_ids))
+        processor.resolve_params(params, len(processed.prompt_token_ids))  # checks only
     except ValueError as exc:
         raise from_value_error(exc, SAMPLING_FIELDS, rename) from None
     return processed
