@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.octavo-installed
 
-.PHONY: setup serve chat test test-fast bench
+.PHONY: setup serve chat test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check octavo tests benchmarks
+	$(VENV)/bin/ruff format --check octavo tests benchmarks
 
 bench: setup
 	$(VENV)/bin/octavo bench throughput --input-len 256 --output-len 128 --num-prompts 128

@@ -2,10 +2,11 @@
 
 The same trace (Poisson arrivals, prompts sharing a system prefix, long-tailed answer lengths,
 a KV pool too small for the offered concurrency) is replayed once per policy through the real
-Scheduler and KVCacheManager. A cost-model executor stands in for the model: it ends each
-answer at its traced length and advances a simulated clock by a step time that grows with the
-prefill tokens and the decodes in the batch. Nothing sleeps, so the times are simulated
-seconds; what differs between policies is only what the scheduler decided.
+Scheduler and KVCacheManager. The shared MockRunner (core/mock_runner.py) stands in for the
+model: it ends each answer at its traced length, and a cost model advances a simulated clock
+by a step time that grows with the prefill tokens and the decodes in the batch. Nothing
+sleeps, so the times are simulated seconds; what differs between policies is only what the
+scheduler decided.
 
 Per policy it prints: output tok/s, the share of requests evicted at least once, the median
 and p99 freeze (eviction -> the request's next token), the median time to first token, and
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.admission import ADMISSION_POLICIES
+from octavo.core.mock_runner import MockRunner
 from octavo.core.outputs import ModelRunnerOutput
 from octavo.core.request import Request, ResolvedParams
 from octavo.core.sampling_params import SamplingParams
@@ -87,73 +89,25 @@ def make_trace(config: TraceConfig) -> list[TraceRequest]:
     return trace
 
 
-@dataclass(slots=True)
-class _Progress:
-    """What the executor knows of one request, from SchedulerOutput deltas only."""
-
-    num_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int = 0
-    # The furthest its KV ever got: tokens below it computed again are redone work.
-    max_computed_tokens: int = 0
-
-
 class CostModelExecutor:
-    """Plays the model runner: samples ANSWER_TOKEN_ID until a request's traced answer length,
-    then EOS; returns the step's simulated duration and counts prefill work."""
+    """Plays the model runner: the shared MockRunner writing ANSWER_TOKEN_ID until a request's
+    traced answer length, then EOS; each step is priced by the cost model, and its prefill
+    work is counted."""
 
     def __init__(self, answer_lens: dict[str, int], cost: CostModel) -> None:
-        self.answer_lens = answer_lens
+        self.runner = MockRunner(
+            ANSWER_TOKEN_ID + 1, EOS_TOKEN_ID, script=[ANSWER_TOKEN_ID], answer_lens=answer_lens
+        )
         self.cost = cost
-        self.progress: dict[str, _Progress] = {}
         self.num_prefill_tokens = 0
         self.num_redone_tokens = 0
 
     def execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
-        for request_id in out.finished_req_ids:
-            self.progress.pop(request_id, None)
-        for new in out.scheduled_new_reqs:
-            previous = self.progress.get(new.request_id)
-            progress = _Progress(
-                len(new.prompt_token_ids) + len(new.output_token_ids),
-                len(new.output_token_ids),
-                new.num_computed_tokens,
-                previous.max_computed_tokens if previous else 0,
-            )
-            self.progress[new.request_id] = progress
-        for cached in out.scheduled_cached_reqs:
-            self.progress[cached.request_id].num_computed_tokens = cached.num_computed_tokens
-        req_ids = list(out.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        num_decodes = num_prefill = 0
-        for request_id in req_ids:
-            progress = self.progress[request_id]
-            num_new = out.num_scheduled_tokens[request_id]
-            begin, end = progress.num_computed_tokens, progress.num_computed_tokens + num_new
-            # A decode runs the newest token once; anything else is a prefill chunk, and the
-            # part of it below the furthest KV ever computed is redone after an eviction.
-            is_decode = (
-                num_new == 1
-                and end == progress.num_tokens
-                and progress.num_output_tokens > 0
-                and begin >= progress.max_computed_tokens
-            )
-            if is_decode:
-                num_decodes += 1
-            else:
-                num_prefill += num_new
-                self.num_redone_tokens += max(min(end, progress.max_computed_tokens) - begin, 0)
-            progress.max_computed_tokens = max(progress.max_computed_tokens, end)
-            if end < progress.num_tokens:
-                sampled.append([])  # a prompt chunk that is not the last
-                continue
-            progress.num_output_tokens += 1
-            progress.num_tokens += 1
-            is_last = progress.num_output_tokens >= self.answer_lens[request_id]
-            sampled.append([EOS_TOKEN_ID if is_last else ANSWER_TOKEN_ID])
-        self.num_prefill_tokens += num_prefill
-        runner_output = ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
-        return runner_output, self.cost.step_time_s(num_prefill, num_decodes)
+        runner_output = self.runner.execute(out)
+        work = self.runner.last_work
+        self.num_prefill_tokens += work.num_prefill_tokens
+        self.num_redone_tokens += work.num_redone_tokens
+        return runner_output, self.cost.step_time_s(work.num_prefill_tokens, work.num_decodes)
 
 
 @dataclass(slots=True)
