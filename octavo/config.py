@@ -33,15 +33,15 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
 # running stream for seconds. With a cap per prompt and step, the prompts that arrive together
 # advance together, and one that arrives while others decode delays them by one chunk's time
-# (BENCHMARKS.md, history: "prompt chunks while decoding"). 256 rather than 128: a 256-token
+# (benchmarks/history/, "Prompt chunks while decoding"). 256 rather than 128: a 256-token
 # prompt then runs in one step, as do D's 256 new tokens per prompt (its p99 TTFT 2.4 s instead
-# of 2.7-3.4), with C's and D's p99 ITL unchanged.
+# of 2.7-3.4), with C's and D's p99 ITL unchanged ("The prompt cap at 256", ibid.).
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 # Tokens per KV block on a CPU (vLLM's CPU default too). Decode attention reads a request's
 # blocks from wherever they lie in the pool; 128 tokens make each block's keys a contiguous
 # run of 96 KB (the embedded model, float32), where 16 tokens make 12 KB runs that the memory
-# system streams less well: a decode step of 32 requests at 320 tokens ~5% faster. GPUs keep
-# 16.
+# system streams less well: a decode step of 32 requests at 320 tokens ~5% faster (ibid.,
+# "Decode attention in sixteen lanes, huge pages, 128-token blocks"). GPUs keep 16.
 DEFAULT_CPU_BLOCK_SIZE = 128
 DEFAULT_GPU_BLOCK_SIZE = 16
 

@@ -5,8 +5,8 @@ prefilled, a few warm-up steps run, then `--steps` decode steps of all N request
 by one (schedule, forward, sample, output processing: the whole engine step). Reports the
 median and fastest step and N / median as decode tok/s; the requests are then aborted (their
 blocks return to the pool) before the next size. This is the number the CPU kernels are judged
-by (BENCHMARKS.md): serving throughput adds prefill and the HTTP side on top of it. Ends with
-one JSON line.
+by (benchmarks/history/, "Decode steps"): serving throughput adds prefill and the HTTP side
+on top of it. Ends with one JSON line.
 """
 
 from __future__ import annotations

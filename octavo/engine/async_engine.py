@@ -12,7 +12,7 @@ OpenMP thread team per calling thread, and GNU OpenMP stops letting a team's wor
 regions once its teams hold more threads than there are CPUs: every region then pays a thread
 wake-up (~0.1 ms on a small VM, hundreds of regions per step). A model loaded on the main thread
 and stepped on another decoded at half the speed of one stepped where it was loaded (measured:
-BENCHMARKS.md).
+benchmarks/history/, "Every core, one thread team").
 
 Must not: tokenize, render templates or build HTTP responses (callers do that before submitting,
 so the step loop never waits on them); block on a consumer (a slow reader only grows its own

@@ -9,6 +9,8 @@ processor and tokenizer (the AsyncEngine thread alone steps the engine).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import math
 import uuid
@@ -47,27 +49,12 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 # logprob -inf has no JSON form; vLLM clamps to this.
 _MIN_LOGPROB = -9999.0
 
-SAMPLING_FIELDS = {
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "ignore_eos",
-    "prompt",
-    "messages",
-    "structured_outputs",
-}
+# The parameters a SamplingParams error may name: its fields (the request fields of the same
+# name), and the prompt.
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+# SamplingParams fields the handler derives itself from the request (renamed by the endpoint,
+# clipped, parsed or checked against the model); every other one is copied by name.
+_DERIVED_FIELDS = {"max_tokens", "logprobs", "logit_bias", "top_k", "structured_outputs"}
 
 
 @dataclass(frozen=True)
@@ -151,36 +138,34 @@ def make_sampling_params(
             logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids.", "logit_bias") from None
-    fields: dict[str, Any] = dict(
-        n=request.n,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        seed=request.seed,
-        stop=request.stop,
-        stop_token_ids=request.stop_token_ids,
-        ignore_eos=request.ignore_eos,
+    # Every SamplingParams field the request has under the same name; an unset (None) one keeps
+    # SamplingParams' default (vLLM's).
+    fields: dict[str, Any] = {
+        name: value
+        for name in _copied_fields(type(request))
+        if (value := getattr(request, name)) is not None
+    }
+    fields.update(
         max_tokens=max_tokens,
-        min_tokens=request.min_tokens,
         logprobs=logprobs,
-        skip_special_tokens=request.skip_special_tokens,
-        spaces_between_special_tokens=request.spaces_between_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=logit_bias,
         structured_outputs=structured_outputs_params(context, request),
     )
-    # Unset optional knobs keep SamplingParams' defaults (vLLM's), not None.
-    optional = dict(
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-    )
-    fields.update({k: v for k, v in optional.items() if v is not None})
+    if top_k is not None:
+        fields["top_k"] = top_k
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
         raise from_value_error(exc, SAMPLING_FIELDS, rename) from None
+
+
+@functools.cache
+def _copied_fields(request_type: type) -> tuple[str, ...]:
+    return tuple(
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if f.name in request_type.model_fields and f.name not in _DERIVED_FIELDS
+    )
 
 
 def structured_outputs_params(

@@ -103,7 +103,8 @@ class ModelBackend:
                     layouts[name] = layout
         # The packed copies share one allocation in huge pages: a decode step streams all of
         # them, and with 4 KiB pages the TLB misses cost several percent of the batch-1
-        # matmuls' time (BENCHMARKS.md, "Huge pages").
+        # matmuls' time (benchmarks/history/, "Decode attention in sixteen lanes, huge
+        # pages, 128-token blocks").
         slots = dict(
             zip(layouts, memory.empty_many(list(layouts.values()), huge_pages=self.huge_pages))
         )

@@ -1,10 +1,11 @@
 """Which matmul takes a batch of a given size: the packed kernel or torch's GEMM, measured.
 
-Where the two cross depends on the CPU and the weight's shape (BENCHMARKS.md): level or ahead up
-to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512 Intel Xeon ahead up to ~256 rows for most
-shapes and 5-15% behind MKL beyond. So when a model is loaded each weight shape of its decoder
-layers is timed once (`MatmulCalibration`), and the result is part of the start-up
-configuration. Knows nothing of models: weights and their packed copies come in as tensors.
+Where the two cross depends on the CPU and the weight's shape (benchmarks/history/,
+"Prompt-sized matmuls"): level or ahead up to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512
+Intel Xeon ahead up to ~256 rows for most shapes and 5-15% behind MKL beyond. So when a model
+is loaded each weight shape of its decoder layers is timed once (`MatmulCalibration`), and the
+result is part of the start-up configuration. Knows nothing of models: weights and their
+packed copies come in as tensors.
 """
 
 from __future__ import annotations
