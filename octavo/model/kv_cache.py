@@ -39,3 +39,14 @@ def allocate_kv_cache(
         memory.empty(shape, dtype, device, huge_pages).zero_()
         for _ in range(config.num_hidden_layers)
     ]
+
+
+def write_kv_cache(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+    """Store key, value (num_tokens, num_kv_heads, head_dim) at their slots of `kv_cache`
+    (this module's layout), converted to the cache dtype: index_copy_ into the flat slot views.
+    AttentionBackend.write_kv_cache's plain version."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, kv_heads, head_dim)
+    value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_slots.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    value_slots.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))

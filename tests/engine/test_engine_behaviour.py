@@ -11,20 +11,11 @@ from octavo import SamplingParams
 from octavo.core.request import FinishReason, RequestStatus
 from octavo.engine.output_processor import OutputKind
 
+from ..integration.utils import assert_no_leak
 from ..mock_engine import EOS_TOKEN_ID, SCRIPT, VOCAB, mock_llm, text_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPT = "the cat"
-
-
-def assert_no_leak(llm) -> None:
-    """No request left anywhere, and every KV block back in the pool."""
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    stats = engine.make_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
-    assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
-    engine.scheduler.check_integrity()
 
 
 def _generate(llm, prompts, params):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from octavo.model.attention.metadata import AttentionMetadata
+from octavo.model.kv_cache import write_kv_cache
 
 
 class LayerOps(ABC):
@@ -71,12 +72,12 @@ class AttentionBackend(ABC):
         """Everything derived from the step's metadata that every layer would otherwise repeat
         (index tensors, masks, kernel arguments). Called once per forward, by the runner."""
 
-    @abstractmethod
     def write_kv_cache(
         self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
     ) -> None:
         """Store key, value (num_tokens, num_kv_heads, head_dim) at their slots, converting to
-        the cache dtype."""
+        the cache dtype. This default is the plain torch write (kv_cache.write_kv_cache)."""
+        write_kv_cache(kv_cache, key, value, slot_mapping)
 
     @abstractmethod
     def forward(

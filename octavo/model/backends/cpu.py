@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 from octavo.model.attention.metadata import AttentionMetadata
-from octavo.model.backends import torch_ops
 from octavo.model.backends.base import AttentionBackend, AttentionPlan
 from octavo.model.backends.torch_ops import TorchOps
 from octavo.model.cpu import ops
+from octavo.model.kv_cache import write_kv_cache as torch_write_kv_cache
 
 
 class CpuKernelOps(TorchOps):
@@ -89,7 +89,7 @@ class CpuPagedAttention(AttentionBackend):
     def __init__(self, compute_dtype: torch.dtype) -> None:
         # The write kernel takes float32 keys and values (float32 compute); else torch's.
         self._write = (
-            _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_ops.write_kv_cache
+            _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_write_kv_cache
         )
 
     def plan(self, metadata: AttentionMetadata) -> PagedPlan:

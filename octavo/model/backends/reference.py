@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from octavo.model.attention.metadata import AttentionMetadata
-from octavo.model.backends import torch_ops
 from octavo.model.backends.base import AttentionBackend, AttentionPlan
 
 
@@ -20,11 +19,6 @@ class ReferenceAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> AttentionPlan:
         return AttentionPlan(metadata)
-
-    def write_kv_cache(
-        self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
-    ) -> None:
-        torch_ops.write_kv_cache(kv_cache, key, value, slot_mapping)
 
     def forward(
         self,

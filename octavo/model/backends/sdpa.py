@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from octavo.model.attention.metadata import AttentionMetadata
-from octavo.model.backends import torch_ops
 from octavo.model.backends.base import AttentionBackend, AttentionPlan
 
 
@@ -68,11 +67,6 @@ class SdpaAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> GatherPlan:
         return GatherPlan(metadata, _plan_decodes(metadata), _plan_chunks(metadata))
-
-    def write_kv_cache(
-        self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
-    ) -> None:
-        torch_ops.write_kv_cache(kv_cache, key, value, slot_mapping)
 
     def forward(
         self,

@@ -1,7 +1,7 @@
 """TorchOps: the layer ops in plain torch, numerically as Hugging Face computes them.
 
 The reference every faster LayerOps is tested against, and the ops of any device or dtype the
-kernels do not cover (GPUs, bfloat16 compute on a CPU). Also the plain KV cache write.
+kernels do not cover (GPUs, bfloat16 compute on a CPU).
 """
 
 from __future__ import annotations
@@ -28,15 +28,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def write_kv_cache(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
-    """AttentionBackend.write_kv_cache's contract with index_copy_ into the flat slot views."""
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, kv_heads, head_dim)
-    value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    key_slots.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    value_slots.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 class TorchOps(LayerOps):
