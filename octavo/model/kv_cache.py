@@ -1,4 +1,4 @@
-"""The paged KV cache tensors: their layout, allocation and size per token.
+"""The paged KV cache tensors: their layout, allocation, and the plain write into them.
 
 One tensor per decoder layer, shape (2, num_blocks, block_size, num_kv_heads, head_dim):
 index 0 holds keys, 1 values; block b's slot o is token slot b * block_size + o, so
