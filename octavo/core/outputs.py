@@ -3,7 +3,7 @@ processor, once per step. Plain data, no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from octavo.core.request import FinishReason
 
@@ -27,6 +27,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Parallel to sampled_token_ids; None where the request did not ask for logprobs.
     logprobs: list[list[TokenLogprobs] | None]
+    # Requests whose own preparation or sampling raised this step (request id -> why): they
+    # got no token, and the scheduler ends them with FINISHED_ERROR. The rest ran normally.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -40,4 +43,6 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     # The stop token id that ended it (None for EOS or a length cap).
     stop_reason: int | str | None = None
+    # Why the engine could not run it (finish_reason ERROR only).
+    error: str | None = None
     num_cached_tokens: int = 0

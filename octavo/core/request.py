@@ -25,6 +25,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The engine could not run this request (preparing or sampling it raised); the others in
+    # its batch ran on.
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -35,12 +38,14 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -73,6 +78,12 @@ class RequestGrammar(Protocol):
     def is_terminated(self) -> bool:
         """Complete (or failed): nothing but EOS may follow, and the next token ends the
         request."""
+        ...
+
+    def error(self) -> str | None:
+        """Why the grammar can no longer be followed (the library's error state), or None.
+        A failed grammar ends its request with an error, never as if its output were
+        complete."""
         ...
 
 
@@ -111,6 +122,8 @@ class Request:
         self.block_hashes: list[int] = []
         # The token id or stop string that stopped the request, if any (not EOS).
         self.stop_reason: int | str | None = None
+        # Why the engine could not run it (FINISHED_ERROR only).
+        self.error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

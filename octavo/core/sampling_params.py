@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
+# A seed is any signed or unsigned 64-bit integer (what torch's generators take; OpenAI's
+# seeds are 64-bit).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# The longest structured-output constraint (schema, regex, grammar, choices), in characters.
+MAX_CONSTRAINT_CHARS = 256 * 1024
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
 # temperature overflows, and the result would be argmax anyway.
 _GREEDY_TEMPERATURE_EPS = 1e-5
@@ -48,6 +55,13 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.choice must be a non-empty list of strings, "
                 f"got {self.choice!r}."
+            )
+        # Compiling a constraint is work before admission; its size bounds that work.
+        size = len(self.key[1])
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(
+                f"structured_outputs.{self.kind} is {size} characters long; at most "
+                f"{MAX_CONSTRAINT_CHARS} are accepted."
             )
 
     @property
@@ -120,15 +134,17 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise bad(name, value, "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", self.temperature, "non-negative")
-        if not 0.0 < self.top_p <= 1.0:
+        # The sampler computes in float32: a value must keep its meaning there (1e-46 is 0 and
+        # 1e39 is inf in float32; a repetition penalty of 0 turns logits into NaN).
+        if not 0.0 < _float32(self.repetition_penalty) < math.inf:
+            raise bad("repetition_penalty", self.repetition_penalty, "positive and finite")
+        if not 0.0 <= _float32(self.temperature) < math.inf:
+            raise bad("temperature", self.temperature, "non-negative and finite")
+        if not 0.0 < _float32(self.top_p) <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", self.top_k, "0 or -1 (disabled), or at least 1")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= _float32(self.min_p) <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
@@ -140,8 +156,12 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "a non-negative integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED:
+                raise bad("seed", self.seed, "a 64-bit integer")
+            # n > 1: child i draws with seed + i (vLLM's rule); each must be a seed too.
+            if self.seed + self.n - 1 > MAX_SEED:
+                raise bad("seed", self.seed, f"at most {MAX_SEED - self.n + 1} with n={self.n}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -174,3 +194,13 @@ class SamplingParams:
             stop_token_ids=list(self.stop_token_ids),
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
         )
+
+
+def _float32(value: float) -> float:
+    """`value` as the float32 the sampler will hold (inf beyond its range, NaN stays NaN)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+    except struct.error:  # not a number at all: the comparison that follows fails
+        return math.nan

@@ -19,7 +19,7 @@ from octavo.core.admission import AdmissionCandidate, AdmissionPolicy, make_admi
 from octavo.core.block_hash import extend_block_hashes
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
-from octavo.core.request import Request, RequestGrammar, RequestStatus
+from octavo.core.request import FinishReason, Request, RequestStatus
 from octavo.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from octavo.metrics.stats import SchedulerStats
 
@@ -287,12 +287,20 @@ class Scheduler:
         and a token that follows a complete grammar or that the grammar rejects finishes it as
         STOPPED like a stop token; else reaching max_tokens or max_model_len finishes it as
         LENGTH_CAPPED. Tokens after a stop are dropped. A grammar sees only tokens sampled
-        here, so the recomputation after a preemption never feeds it twice. Returns one output
-        per request that got tokens; a prefill chunk that is not the last gets none. Requests
-        aborted since `schedule()` are skipped.
+        here, so the recomputation after a preemption never feeds it twice. A token the grammar
+        rejects (sampling is masked by it, so this is the grammar failing, never the model),
+        and a request the runner reports in `failed`, end it as FINISHED_ERROR. Returns one
+        output per request that got tokens or ended; a prefill chunk that is not the last gets
+        none. Requests aborted since `schedule()` are skipped.
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
+        for request_id, reason in runner_output.failed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            outputs.append(self._fail(request, reason))
+            finished_any = True
         for request_id, token_ids, logprobs in zip(
             runner_output.req_ids,
             runner_output.sampled_token_ids,
@@ -303,6 +311,11 @@ class Scheduler:
             if not token_ids or request is None or request.status != RequestStatus.RUNNING:
                 continue
             new_token_ids = self._append_tokens(request, token_ids)
+            if request.status == RequestStatus.FINISHED_ERROR:
+                # The token the grammar rejected is not part of the answer.
+                outputs.append(self._fail(request, request.error or "", new_token_ids[:-1]))
+                finished_any = True
+                continue
             if request.is_finished:
                 self._finish(request)
                 finished_any = True
@@ -335,8 +348,25 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 # A user's stop token is reported; EOS is not (vLLM's stop_reason).
                 request.stop_reason = token_id if token_id in params.stop_token_ids else None
-            elif request.grammar is not None and self._grammar_ends(request.grammar, token_id):
+            elif request.grammar is not None and (error := request.grammar.error()) is not None:
+                # Sampled under the mask of a failed grammar: the token means nothing.
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = error
+            elif request.grammar is not None and request.grammar.is_terminated():
+                # After a complete grammar only EOS can be sampled, a stop token unless the
+                # request ignores EOS; ending on the completing token instead would drop its
+                # text. vLLM ends on the next one too.
                 request.status = RequestStatus.FINISHED_STOPPED
+            elif request.grammar is not None and not request.grammar.accept_token(token_id):
+                logger.warning(
+                    "request %s: its grammar rejected the sampled token %d",
+                    request.request_id,
+                    token_id,
+                )
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = request.grammar.error() or (
+                    f"the structured-output grammar rejected token {token_id}"
+                )
             elif (
                 request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len
@@ -346,17 +376,21 @@ class Scheduler:
                 return token_ids[: idx + 1]
         return list(token_ids)
 
-    @staticmethod
-    def _grammar_ends(grammar: RequestGrammar, token_id: int) -> bool:
-        """Whether `token_id` ends the request as a stop token does (no text). After a complete
-        grammar only EOS can be sampled, a stop token unless the request ignores EOS; ending on
-        the completing token instead would drop its text. vLLM ends on the next one too."""
-        if grammar.is_terminated():
-            return True
-        if not grammar.accept_token(token_id):
-            logger.warning("a structured-output grammar rejected token %d", token_id)
-            return True
-        return False
+    def _fail(
+        self, request: Request, reason: str, new_token_ids: list[int] | None = None
+    ) -> EngineCoreOutput:
+        """End `request` as FINISHED_ERROR (its blocks freed) and say so to the caller."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = reason
+        self._finish(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids or [],
+            new_logprobs=None,
+            finish_reason=FinishReason.ERROR,
+            error=reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def _finish(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from octavo.core.request import FinishReason
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.llm_engine import LLMEngine
@@ -51,6 +52,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step raised; every request that was in flight fails with this error."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine could not run one request of the call (its preparation or its sampling
+    raised; FinishReason.ERROR); the other requests in the engine ran on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +96,18 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclass(slots=True)
+class _EndAll:
+    reason: str
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         """Over an engine built by the caller (on any thread; prefer `from_factory`). Stats reach
         their loggers through `engine.add_stat_logger`, on the engine thread."""
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort | _Call] = []
+        self._commands: list[_Add | _Abort | _Call | _EndAll] = []
         self._stopping = False
         self._dead_reason: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,7 +199,8 @@ class AsyncEngine:
         unfinished ones within one step.
 
         Raises ValueError if the engine rejected a request (nothing of the call runs then),
-        EngineStepError if a step failed, EngineDeadError if the engine is stopped.
+        EngineRequestError if one of them ended with FinishReason.ERROR (the rest of the call is
+        aborted), EngineStepError if a step failed, EngineDeadError if the engine is stopped.
         """
         self._check_alive()
         stream = _OutputStream(len(requests))
@@ -200,6 +212,11 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                for completion in item.outputs:
+                    if completion.finish_reason == FinishReason.ERROR:
+                        raise EngineRequestError(
+                            f"The engine could not run this request: {completion.error}"
+                        )
                 if item.finished:
                     finished.add(item.request_id)
                 yield item
@@ -213,6 +230,12 @@ class AsyncEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         self._submit(_Abort(list(request_ids)))
+
+    def end_all(self, reason: str) -> None:
+        """Thread-safe: end every request in flight now, each of their callers getting
+        EngineDeadError(reason) (a server shutting down ends its streams this way, so that
+        each closes with an error event instead of being cut). The engine keeps running."""
+        self._submit(_EndAll(reason))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
@@ -229,7 +252,7 @@ class AsyncEngine:
         if self._loop is None:
             raise EngineDeadError("The engine has not been started.")
 
-    def _submit(self, command: _Add | _Abort | _Call) -> None:
+    def _submit(self, command: _Add | _Abort | _Call | _EndAll) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -257,7 +280,7 @@ class AsyncEngine:
                 except Exception as exc:
                     num_failures += 1
                     logger.exception("engine step failed (%d in a row)", num_failures)
-                    self._fail_all(exc)
+                    self._fail_all(_step_error(exc))
                     if num_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
                         self._dead_reason = f"{num_failures} engine steps failed in a row: {exc!r}"
                         break
@@ -269,22 +292,24 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in this loop: nobody may be left waiting
             logger.exception("engine thread crashed")
             self._dead_reason = f"the engine thread crashed: {exc!r}"
-            self._fail_all(exc)
+            self._fail_all(_step_error(exc))
             raise
         finally:
             self._stop_in_flight()
 
-    def _take_commands(self, wait: bool) -> tuple[list[_Add | _Abort | _Call], bool]:
+    def _take_commands(self, wait: bool) -> tuple[list[_Add | _Abort | _Call | _EndAll], bool]:
         with self._cond:
             while wait and not self._commands and not self._stopping:
                 self._cond.wait()
             commands, self._commands = self._commands, []
             return commands, self._stopping
 
-    def _apply(self, command: _Add | _Abort | _Call) -> None:
+    def _apply(self, command: _Add | _Abort | _Call | _EndAll) -> None:
         engine = self.engine
         if isinstance(command, _Abort):
             engine.abort_request(command.request_ids)
+        elif isinstance(command, _EndAll):
+            self._fail_all(EngineDeadError(command.reason))
         elif isinstance(command, _Call):
             try:
                 command.future.set_result(command.fn(engine))
@@ -332,9 +357,8 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """Fail every in-flight request with a clear error and free its blocks."""
-        error = EngineStepError(f"The engine failed while running this request: {exc!r}")
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every in-flight request with `error` and free its blocks."""
         streams = {id(s): s for s in self._streams.values()}
         request_ids = list(self._streams)
         self._streams.clear()
@@ -365,6 +389,10 @@ class AsyncEngine:
         self._streams.clear()
         if self._dead_reason is None:
             self._dead_reason = "shut down"
+
+
+def _step_error(exc: BaseException) -> EngineStepError:
+    return EngineStepError(f"The engine failed while running this request: {exc!r}")
 
 
 def _put_all(queue: asyncio.Queue, items: list[RequestOutput | BaseException]) -> None:

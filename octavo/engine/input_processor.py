@@ -2,6 +2,8 @@
 
 Every check that can reject a request happens here, before the scheduler sees it, so a bad
 request never takes blocks or disturbs others. Errors are ValueError naming the parameter.
+Inputs too large to fit max_model_len whatever they tokenize to are refused by their size
+before any tokenizing or rendering starts, so that the work one request can cause is bounded.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.structured_output = structured_output
+        # No token stands for more characters than its vocabulary string has (byte-level
+        # and SentencePiece vocabularies alike, special tokens included), so a text longer
+        # than this is more than max_model_len tokens, whatever it tokenizes to.
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest, 1)
 
     def process_prompt(
         self, prompt: PromptType, add_special_tokens: bool = True
@@ -54,6 +61,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty.")
+            self._check_size(len(prompt), "prompt")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             return self._check_token_ids(prompt, token_ids)
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
@@ -82,6 +90,14 @@ class InputProcessor:
         for message in messages:
             if not isinstance(message, Mapping) or "role" not in message:
                 raise ValueError(f"each message needs a 'role', got {message!r}.")
+        # Every message renders to at least its role's token, and no token to more characters
+        # than max_prompt_chars allows for: checked before the template runs.
+        if len(messages) > self.max_model_len:
+            raise ValueError(
+                f"messages has {len(messages)} entries, more than max_model_len="
+                f"{self.max_model_len} tokens can hold."
+            )
+        self._check_size(sum(len(str(m.get("content") or "")) for m in messages), "messages")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true."
@@ -127,6 +143,13 @@ class InputProcessor:
         # The template writes its own special tokens (BOS included); more only if asked.
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return self._check_token_ids(text, token_ids)
+
+    def _check_size(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"{param} is {num_chars} characters long, more than max_model_len="
+                f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars})."
+            )
 
     def _check_token_ids(self, prompt: str | None, token_ids: list[int]) -> ProcessedPrompt:
         if not token_ids:

@@ -61,6 +61,7 @@ class _CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     # Prefix-cache hits the scheduler reported; -1 until it has.
     num_cached_tokens: int = -1
     # What the caller already holds (DELTA sends from here on).
@@ -170,6 +171,7 @@ class OutputProcessor:
             elif output.finish_reason is not None:
                 completion.finish_reason = output.finish_reason
                 completion.stop_reason = output.stop_reason
+                completion.error = output.error
             request = self._requests[completion.parent_id]
             if completion.finish_reason is not None:
                 self._finish_completion(request, completion)
@@ -291,6 +293,7 @@ def _take_cumulative(completion: _CompletionState) -> CompletionOutput:
         logprobs=None if completion.logprobs is None else list(completion.logprobs),
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
+        error=completion.error,
     )
 
 
@@ -308,4 +311,5 @@ def _take_delta(completion: _CompletionState) -> CompletionOutput:
         logprobs=None if completion.logprobs is None else completion.logprobs[first_token:],
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
+        error=completion.error,
     )

@@ -30,6 +30,8 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     # The stop string or stop token id that ended it; None for EOS or length.
     stop_reason: int | str | None = None
+    # Why the engine could not run it (finish_reason ERROR only; octavo's).
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

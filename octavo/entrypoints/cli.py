@@ -56,6 +56,56 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help='allow tool_choice "auto" (the default when a request has tools); '
         "needs --tool-call-parser",
     )
+    limits = parser.add_argument_group("server limits")
+    limits.add_argument(
+        "--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413"
+    )
+    limits.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="most output streams (prompts x n) one request may ask for",
+    )
+    limits.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a complete request head in this time",
+    )
+    limits.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="answer 408 when a request body takes longer than this to arrive",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close idle keep-alive connections after this",
+    )
+    limits.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="answer 503 beyond this many connections and requests at once (default: none)",
+    )
+    limits.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may go on; streams still running then "
+        "end with an error event and [DONE]",
+    )
+    limits.add_argument(
+        "--enable-dev-endpoints",
+        action="store_true",
+        help="serve /reset_prefix_cache (vLLM's dev-mode endpoints; behind --api-key if set)",
+    )
 
 
 def server_config_from(ns: argparse.Namespace):
@@ -75,6 +125,14 @@ def server_config_from(ns: argparse.Namespace):
         allowed_origins=origins,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        header_read_timeout_s=ns.header_read_timeout,
+        body_read_timeout_s=ns.body_read_timeout,
+        timeout_keep_alive_s=ns.timeout_keep_alive,
+        limit_concurrency=ns.limit_concurrency,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        enable_dev_endpoints=ns.enable_dev_endpoints,
     )
 
 

@@ -40,6 +40,9 @@ _JSON_DEFAULTS: dict[str, Any] = {
 # A grammar the library parses into a matcher in its error state: the stand-in when building
 # a matcher fails unexpectedly after validation, so the request ends instead of the engine.
 _FAILED_GRAMMAR = "%failed%"
+# The most alternatives the library's parser keeps in one row (its default ParserLimits): a
+# longer choice list compiles, then fails at its first tokens.
+MAX_CHOICES = 2000
 
 
 class GuidanceBackend:
@@ -93,6 +96,11 @@ class GuidanceBackend:
                 lark_regex = llguidance.regex_to_lark(params.regex or "", "d")
                 return llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/")
             if kind == "choice":
+                if len(params.choice or ()) > MAX_CHOICES:
+                    raise ValueError(
+                        f"{len(params.choice)} choices; the grammar engine follows at most "
+                        f"{MAX_CHOICES}"
+                    )
                 return llguidance.grammar_from("choice", json.dumps(params.choice))
             return llguidance.grammar_from("grammar", params.grammar or "")
         except ValueError as exc:
@@ -112,6 +120,27 @@ class GuidanceBackend:
         for message in messages:
             logger.debug("structured_outputs.%s: %s", params.kind, message)
         return spec
+
+    def compile_checked(self, params: StructuredOutputsParams, spec: str) -> llguidance.LLMatcher:
+        """A matcher for a validated grammar, refused if it cannot be followed: the library
+        puts it in its error state (an unsatisfiable regex, a grammar past its limits), or
+        its first mask allows no token at all. Raises ValueError naming the field."""
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, spec, log_level=0)
+            first = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, first, 0)
+        except Exception as exc:  # the library's own failure, as the client's 400
+            raise ValueError(
+                f"structured_outputs.{params.kind} cannot be compiled: {exc}"
+            ) from None
+        if matcher.is_error():
+            raise ValueError(
+                f"structured_outputs.{params.kind} cannot be followed by any output: "
+                f"{matcher.get_error().splitlines()[0]}"
+            )
+        if not first.any():
+            raise ValueError(f"structured_outputs.{params.kind} allows no output at all.")
+        return matcher
 
     def compile(self, spec: str) -> llguidance.LLMatcher:
         """A fresh matcher for a validated grammar, its lexer already built (the first mask is

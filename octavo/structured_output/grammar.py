@@ -46,3 +46,9 @@ class GuidanceGrammar:
     def is_terminated(self) -> bool:
         # Stopped: the grammar is complete (only EOS may follow) or in its error state.
         return self.matcher.is_stopped()
+
+    def error(self) -> str | None:
+        matcher = self.matcher
+        if not matcher.is_error():
+            return None
+        return f"the structured-output grammar failed: {matcher.get_error().splitlines()[0]}"

@@ -1,11 +1,14 @@
 """StructuredOutputManager: compiles grammars off the step loop, caches them, fills masks.
 
 The engine's one handle on structured outputs:
-1) `validate(params)` before admission (any thread): a bad schema, regex or grammar is a
-   ValueError naming `structured_outputs`, so the request is refused before it is queued.
-2) `grammar_for(params)` at admission (engine thread): a per-request GuidanceGrammar whose
-   compilation runs in a background thread; requests with the same `params.key` share one
-   compilation (an LRU cache of `max_cached_grammars` entries).
+1) `validate(params)` before admission (the caller's thread, never the event loop's): the
+   grammar is compiled there and refused (ValueError naming `structured_outputs`) when it is
+   invalid or cannot be followed (no output satisfies it, or the library gives up on it), so
+   a constraint is either followed or the request is refused before it is queued.
+2) `grammar_for(params)` at admission (engine thread): a per-request GuidanceGrammar over the
+   compilation validate() made, or, for params that skipped it, one run in a background
+   thread; requests with the same `params.key` share one compilation (an LRU cache of
+   `max_cached_grammars` entries).
 3) `grammar_bitmask(grammars)` each step (engine thread): one int32 token-mask row per
    structured request that samples this step.
 
@@ -54,8 +57,8 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
         self.max_cached_grammars = max_cached_grammars
-        # Guards the lazy backend, the cache and the pending set: validate() runs on the
-        # server's event loop while grammar_for() runs on the engine thread.
+        # Guards the lazy backend, the caches and the pending set: validate() runs on the
+        # server's worker threads while grammar_for() runs on the engine thread.
         self._lock = threading.Lock()
         self._backend: GuidanceBackend | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -80,8 +83,21 @@ class StructuredOutputManager:
     # --- before admission -------------------------------------------------------------------
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError naming `structured_outputs.<kind>` if `params` cannot be compiled."""
-        self._validated_spec(params)
+        """Raise ValueError naming `structured_outputs.<kind>` if `params` cannot be compiled
+        or followed. Compiles (milliseconds, up to seconds for a large grammar) and keeps the
+        result for grammar_for; a key compiled before is not compiled again."""
+        key = _cache_key(params)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return
+        spec = self._validated_spec(params)
+        matcher = self.backend.compile_checked(params, spec)
+        compiled: Future[llguidance.LLMatcher] = Future()
+        compiled.set_result(matcher)
+        with self._lock:
+            self.num_compiles += 1
+            self._remember(key, compiled)
 
     def _validated_spec(self, params: StructuredOutputsParams) -> str:
         key = _cache_key(params)
@@ -118,12 +134,16 @@ class StructuredOutputManager:
             compiled = self._executor.submit(backend.compile, spec)
             self.num_compiles += 1
             self._pending.add(compiled)
-            self._compiled[key] = compiled
-            while len(self._compiled) > self.max_cached_grammars:
-                # Requests holding an evicted grammar keep their future; only sharing ends.
-                self._compiled.popitem(last=False)
+            self._remember(key, compiled)
         compiled.add_done_callback(self._discard_pending)
         return GuidanceGrammar(compiled)
+
+    def _remember(self, key: tuple[str, str], compiled: Future[llguidance.LLMatcher]) -> None:
+        """Cache a compilation (the lock held); requests holding an evicted one keep their
+        future, only sharing ends."""
+        self._compiled[key] = compiled
+        while len(self._compiled) > self.max_cached_grammars:
+            self._compiled.popitem(last=False)
 
     def _discard_pending(self, compiled: Future[llguidance.LLMatcher]) -> None:
         with self._lock:

@@ -3,10 +3,18 @@
 It owns every tensor: the model, the paged KV cache, the persistent InputBatch and the sampler.
 It never touches Request objects; what it knows of requests arrives as SchedulerOutput deltas,
 and what it returns is plain data (ModelRunnerOutput) with one device-to-host copy per step.
+
+One request must not fail the others. Whatever is prepared per request (its row of the batch,
+its generator, its sampling parameters, its draw) is prepared so that an exception is pinned
+to that request: it is left out of the step and reported in ModelRunnerOutput.failed, and the
+rest of the batch runs as if it had not been there (a failed batched draw is redone row by
+row from the same logits and generator states). Only what cannot be pinned to one request
+(the forward itself) raises.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +23,7 @@ from torch import nn
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
-from octavo.core.scheduler_output import SchedulerOutput
+from octavo.core.scheduler_output import NewRequestData, SchedulerOutput
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.backends import ModelBackend
 from octavo.model.backends.base import AttentionPlan
@@ -23,8 +31,10 @@ from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
-from octavo.sample.sampler import Sampler, SamplerOutput
+from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -80,11 +90,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the step's deltas to the persistent batch, run the model once, sample."""
-        self._update_batch(scheduler_output)
+        """Apply the step's deltas to the persistent batch, run the model once, sample. A
+        request whose own preparation or draw raises is in the output's `failed`; the others
+        are unaffected. Raises only for what concerns the whole batch (the forward)."""
+        failed: dict[str, str] = {}
+        self._update_batch(scheduler_output, failed)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], failed)
         inputs = self._prepare_inputs(scheduler_output)
+        if inputs is None:  # everything scheduled failed to join the batch
+            return ModelRunnerOutput([], [], [], failed)
         hidden_states = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -92,16 +107,12 @@ class ModelRunner:
             inputs.attn_plan,
             inputs.logits_indices,
         )
-        logits = self.model.compute_logits(hidden_states)
-        metadata = self._sampling_metadata(inputs.sample_rows)
-        if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, metadata, inputs.sample_rows, scheduler_output)
-        sampler_output = self.sampler(logits, metadata)
-        return self._make_output(inputs, sampler_output)
+        sampled = self._sample(hidden_states, inputs, scheduler_output, failed)
+        return self._make_output(inputs, sampled, failed)
 
     # --- persistent batch -------------------------------------------------------------------
 
-    def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_batch(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         batch = self.input_batch
         for request_id in scheduler_output.finished_req_ids:
             batch.remove(request_id)
@@ -109,24 +120,35 @@ class ModelRunner:
         for request_id in scheduler_output.preempted_req_ids:
             batch.remove(request_id)
         for data in scheduler_output.scheduled_new_reqs:
-            seed = data.sampling_params.seed
-            generator = self.generators.get(data.request_id)
-            if generator is None and seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-                self.generators[data.request_id] = generator
-            batch.add(data, generator)
+            try:
+                self._add_request(data)
+            except Exception as exc:
+                failed[data.request_id] = _failure(data.request_id, exc, "joining the batch")
+                batch.remove(data.request_id)
+                self.generators.pop(data.request_id, None)
         for data in scheduler_output.scheduled_cached_reqs:
             row = batch.row_of[data.request_id]
             batch.append_block_ids(row, data.new_block_ids)
             batch.num_computed_tokens[row] = data.num_computed_tokens
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _add_request(self, data: NewRequestData) -> None:
+        seed = data.sampling_params.seed
+        generator = self.generators.get(data.request_id)
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[data.request_id] = generator
+        self.input_batch.add(data, generator)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs | None:
+        """The step's flat inputs, or None when no scheduled request is in the batch."""
         batch = self.input_batch
         num_scheduled = scheduler_output.num_scheduled_tokens
         scheduled_rows = [
             row for row, state in enumerate(batch.rows) if state.request_id in num_scheduled
         ]
+        if not scheduled_rows:
+            return None
         token_chunks, position_chunks, slot_chunks = [], [], []
         query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
         for row in scheduled_rows:
@@ -168,6 +190,61 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     # --- sampling ---------------------------------------------------------------------------
+
+    def _sample(
+        self,
+        hidden_states: torch.Tensor,
+        inputs: StepInputs,
+        scheduler_output: SchedulerOutput,
+        failed: dict[str, str],
+    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
+        """Row -> (sampled token, its logprobs) for every sample row that did not fail. One
+        batched draw; if it raises, the generators are put back as they were and each row is
+        drawn alone from the logits computed again (the batched attempt may have edited them),
+        so that one row's failure costs the others nothing, seeded draws included."""
+        rows = inputs.sample_rows
+        saved = {
+            row: generator.get_state()
+            for row in rows
+            if (generator := self.input_batch.rows[row].generator) is not None
+        }
+        try:
+            return self._draw(self.model.compute_logits(hidden_states), rows, scheduler_output)
+        except Exception:
+            logger.exception("sampling %d rows failed; drawing them one by one", len(rows))
+        for row, state in saved.items():
+            self.input_batch.rows[row].generator.set_state(state)
+        logits = self.model.compute_logits(hidden_states)
+        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        for i, row in enumerate(rows):
+            try:
+                sampled.update(self._draw(logits[i : i + 1], [row], scheduler_output))
+            except Exception as exc:
+                request_id = self.input_batch.rows[row].request_id
+                failed[request_id] = _failure(request_id, exc, "sampling")
+        return sampled
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[int], scheduler_output: SchedulerOutput
+    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
+        """Sample `rows` (their logits in that order); the step's one device-to-host copy."""
+        metadata = self._sampling_metadata(rows)
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, metadata, rows, scheduler_output)
+        output = self.sampler(logits, metadata)
+        tokens = output.sampled_token_ids.tolist()
+        if output.logprobs is None:
+            return {row: (token, None) for row, token in zip(rows, tokens)}
+        lp = output.logprobs
+        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
+        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        for i, row in enumerate(rows):
+            k = self.input_batch.rows[row].sampling_params.logprobs
+            entry = (
+                None if k is None else TokenLogprobs(ids[i][: k + 1], values[i][: k + 1], ranks[i])
+            )
+            sampled[row] = (tokens[i], entry)
+        return sampled
 
     def _apply_grammar_bitmask(
         self,
@@ -250,35 +327,30 @@ class ModelRunner:
         metadata.prompt_token_ids = self._to_device(prompts)
         metadata.output_token_ids = [batch.output_token_ids(row) for row in rows]
 
-    def _make_output(self, inputs: StepInputs, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+    def _make_output(
+        self,
+        inputs: StepInputs,
+        sampled: dict[int, tuple[int, TokenLogprobs | None]],
+        failed: dict[str, str],
+    ) -> ModelRunnerOutput:
         batch = self.input_batch
-        # The step's one device-to-host copy (plus logprobs when asked).
-        sampled = sampler_output.sampled_token_ids.tolist()
-        logprobs_lists = None
-        if sampler_output.logprobs is not None:
-            lp = sampler_output.logprobs
-            logprobs_lists = (
-                lp.token_ids.tolist(),
-                lp.logprobs.tolist(),
-                lp.sampled_ranks.tolist(),
-            )
-        sampled_by_row: dict[int, int] = {}
-        logprobs_by_row: dict[int, TokenLogprobs] = {}
-        for i, row in enumerate(inputs.sample_rows):
-            sampled_by_row[row] = sampled[i]
-            k = batch.rows[row].sampling_params.logprobs
-            if logprobs_lists is not None and k is not None:
-                ids, values, ranks = logprobs_lists
-                logprobs_by_row[row] = TokenLogprobs(ids[i][: k + 1], values[i][: k + 1], ranks[i])
         req_ids, sampled_token_ids, logprobs = [], [], []
         for row, seq_len in zip(inputs.scheduled_rows, inputs.seq_lens):
             batch.num_computed_tokens[row] = seq_len
             req_ids.append(batch.rows[row].request_id)
-            if row in sampled_by_row:
-                batch.append_token(row, sampled_by_row[row])
-                sampled_token_ids.append([sampled_by_row[row]])
-                logprobs.append([logprobs_by_row[row]] if row in logprobs_by_row else None)
+            if row in sampled:
+                token_id, entry = sampled[row]
+                batch.append_token(row, token_id)
+                sampled_token_ids.append([token_id])
+                logprobs.append(None if entry is None else [entry])
             else:
                 sampled_token_ids.append([])
                 logprobs.append(None)
-        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs)
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, failed)
+
+
+def _failure(request_id: str, exc: Exception, stage: str) -> str:
+    """What a failed request is told; logged once, without the others' noise."""
+    reason = f"{stage} failed: {type(exc).__name__}: {exc}"
+    logger.warning("request %s: %s", request_id, reason)
+    return reason

@@ -6,7 +6,7 @@ Every test ends with assert_all_free: all requests finished or aborted, no block
 
 from __future__ import annotations
 
-from octavo.core.request import Request
+from octavo.core.request import FinishReason, Request
 
 from .utils import (
     EOS_TOKEN_ID,
@@ -41,6 +41,11 @@ class FakeGrammar:
 
     def is_terminated(self) -> bool:
         return self.rejected or len(self.fed) >= self.length
+
+    def error(self) -> str | None:
+        return "the fake grammar failed" if self.failed else None
+
+    failed = False
 
 
 def structured_request(
@@ -118,14 +123,31 @@ def test_eos_stops_a_structured_request_before_its_grammar_sees_it() -> None:
     assert_all_free(scheduler)
 
 
-def test_a_rejected_token_stops_the_request() -> None:
+def test_a_rejected_token_ends_the_request_with_an_error() -> None:
+    """Sampling is masked by the grammar, so a token it rejects is the grammar failing: the
+    request must not end as if its output were complete (it used to end with "stop")."""
     scheduler = create_scheduler()
     grammar = FakeGrammar(length=5)
     scheduler.add_request(structured_request("a", [10, 11], grammar))
     step(scheduler, {"a": [7]})
     _, (last,) = step(scheduler, {"a": [99]})
-    assert (last.new_token_ids, last.finish_reason) == ([99], "stop")
+    assert (last.new_token_ids, last.finish_reason) == ([], FinishReason.ERROR)
+    assert last.error == "the structured-output grammar rejected token 99"
     assert grammar.fed == [7, 99]
+    assert_all_free(scheduler)
+
+
+def test_a_grammar_that_fails_ends_the_request_with_an_error_not_a_stop() -> None:
+    """A grammar in its library's error state also counts as terminated; it must end the
+    request as ERROR (a failed constraint used to return an empty answer with "stop")."""
+    scheduler = create_scheduler()
+    grammar = FakeGrammar(length=5)
+    scheduler.add_request(structured_request("a", [10, 11], grammar))
+    step(scheduler, {"a": [7]})
+    grammar.failed = True
+    _, (last,) = step(scheduler, {"a": [8]})
+    assert (last.new_token_ids, last.finish_reason) == ([], FinishReason.ERROR)
+    assert last.error == "the fake grammar failed" and grammar.fed == [7]
     assert_all_free(scheduler)
 
 

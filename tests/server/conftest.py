@@ -23,10 +23,14 @@ from octavo.config import EngineArgs
 from octavo.engine.async_engine import AsyncEngine
 from octavo.engine.llm_engine import LLMEngine
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
+from octavo.entrypoints.server.http_server import make_server
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 1 << 20
+# Short, so that the tests of the read timeouts take seconds.
+HEADER_READ_TIMEOUT_S = 2.0
+BODY_READ_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -81,8 +85,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    import uvicorn
-
     engine = LLMEngine.from_engine_args(
         # 16-token blocks (the CPU default is 128): short prompts then hit the prefix cache.
         EngineArgs(
@@ -95,18 +97,17 @@ def server() -> Iterator[RunningServer]:
         )
     )
     config = ServerConfig(
-        host="127.0.0.1", port=_free_port(), api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES
+        host="127.0.0.1",
+        port=_free_port(),
+        api_key=API_KEY,
+        max_request_body_bytes=MAX_BODY_BYTES,
+        enable_dev_endpoints=True,
+        shutdown_timeout_s=5,
+        header_read_timeout_s=HEADER_READ_TIMEOUT_S,
+        body_read_timeout_s=BODY_READ_TIMEOUT_S,
     )
     app = make_server_app(engine, config)
-    uv = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
-    )
+    uv = make_server(app, app.state.async_engine, config, log_level="warning")
     thread = threading.Thread(target=uv.run, name="test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

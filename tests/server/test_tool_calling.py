@@ -37,6 +37,8 @@ from octavo.entrypoints.server.tool_parsers.tool_choice import (
 )
 from octavo.metrics.prometheus import PrometheusStatLogger
 
+from .utils import assert_error
+
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
@@ -103,13 +105,6 @@ def reassemble(events: list[dict[str, Any]]) -> tuple[str, list[dict[str, str]],
                 call["arguments"] += function.get("arguments", "")
             finish = choice.get("finish_reason") or finish
     return content, [calls[i] for i in sorted(calls)], finish
-
-
-def assert_error(response: httpx.Response, param: str, fragment: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert (error["type"], error["param"]) == ("invalid_request_error", param)
-    assert fragment in error["message"], error["message"]
 
 
 # --- 400s -----------------------------------------------------------------------------------

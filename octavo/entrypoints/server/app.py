@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
 Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, `/reset_prefix_cache`), the
-API-key check (every path but `/health`), opt-in CORS, and the process lifecycle: SIGTERM stops
-accepting connections, lets in-flight responses finish (aborting what is left after
-`graceful_shutdown_timeout_s`), stops the engine thread and exits 0.
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, and, with dev endpoints
+enabled, `/reset_prefix_cache`), the API-key check (every path but `/health`), opt-in CORS, the
+connection limits (header and body read timeouts, keep-alive, a connection limit), and the
+process lifecycle: SIGTERM stops accepting connections, lets in-flight responses finish, and
+shortly before `shutdown_timeout_s` ends the streams still running with an error event and
+[DONE], stops the engine thread and exits 0. Request bodies are decoded, rendered and
+tokenized in a few preparation threads, never on the event loop.
 
 Must not: step the engine (the AsyncEngine thread does) or hold per-request state.
 """
@@ -16,6 +19,7 @@ import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +46,9 @@ from octavo.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
-from octavo.entrypoints.server.serving_common import ServingContext, check_model, parse_body
+from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger
@@ -63,8 +68,21 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     # Larger bodies get 413 before they are parsed.
     max_request_body_bytes: int = 16 << 20
-    # On SIGTERM, how long in-flight responses may run before they are aborted.
-    graceful_shutdown_timeout_s: float = 30.0
+    # On SIGTERM, how long in-flight responses may run before they are ended.
+    shutdown_timeout_s: float = 30.0
+    # A connection must send its request headers within this, and its body within the other,
+    # else it is closed (408 for a body); idle keep-alive connections close after the third.
+    header_read_timeout_s: float = 30.0
+    body_read_timeout_s: float = 60.0
+    timeout_keep_alive_s: float = 5.0
+    # Connections (and in-flight requests) beyond this get 503; None: no limit.
+    limit_concurrency: int | None = None
+    # Output streams (prompts x n) one request may ask for.
+    max_sequences_per_request: int = 256
+    # /reset_prefix_cache and the like (vLLM's dev mode).
+    enable_dev_endpoints: bool = False
+    # Threads that decode, check, render and tokenize request bodies.
+    num_prepare_threads: int = 2
     # Tool calling (vLLM's flags): the parser that reads calls out of the model's text, and
     # whether tool_choice "auto" (the default when tools are given) is allowed.
     tool_call_parser: str | None = None
@@ -79,19 +97,33 @@ class ServerConfig:
         return ToolServing(self.tool_call_parser, self.enable_auto_tool_choice)
 
 
-class ApiKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects)."""
+class AuthMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects).
+    Several Authorization headers are a 400 (which one counts would be up to the server);
+    with an API key, every path but /health needs `Authorization: Bearer KEY`."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        given = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(given) > 1:
+            response = JSONResponse(
+                error_body(400, "The request has more than one Authorization header."),
+                status_code=400,
+            )
+            await response(scope, receive, send)
+            return
+        if (
+            self.expected is None
+            or scope["path"] in OPEN_PATHS
+            or scope["method"] == "OPTIONS"
+            or hmac.compare_digest(given[0] if given else b"", self.expected)
+        ):
             await self.app(scope, receive, send)
             return
         response = JSONResponse(
@@ -108,12 +140,16 @@ def build_app(
     """The app over an AsyncEngine that its lifespan starts and shuts down."""
     engine = async_engine.engine
     engine_config = engine.config
+    executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
     context = ServingContext(
         async_engine=async_engine,
         model_name=engine_config.served_model_name,
         max_model_len=engine_config.scheduler.max_model_len,
         vocab_size=engine.input_processor.vocab_size,
         max_request_body_bytes=config.max_request_body_bytes,
+        executor=executor,
+        body_read_timeout_s=config.body_read_timeout_s,
+        max_sequences=config.max_sequences_per_request,
     )
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context, config.tool_serving)
@@ -125,6 +161,7 @@ def build_app(
             yield
         finally:
             await asyncio.to_thread(async_engine.shutdown)
+            executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="octavo",
@@ -136,8 +173,7 @@ def build_app(
     )
     app.state.async_engine = async_engine
     install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key or None)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -164,7 +200,13 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> JSONResponse:
-        request = await parse_body(raw_request, TokenizeRequest, config.max_request_body_bytes)
+        body = await read_body(
+            raw_request, config.max_request_body_bytes, config.body_read_timeout_s
+        )
+        return JSONResponse(await prepare(context, _tokenize, body))
+
+    def _tokenize(body: bytes) -> dict[str, Any]:
+        request = parse_body(body, TokenizeRequest)
         check_model(context, request.model)
         processor = engine.input_processor
         try:
@@ -181,13 +223,17 @@ def build_app(
         except ValueError as exc:
             raise from_value_error(exc, {"prompt", "messages"}, {}) from None
         tokens = processed.prompt_token_ids
-        return JSONResponse(
-            {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
-        )
+        return {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request) -> JSONResponse:
-        request = await parse_body(raw_request, DetokenizeRequest, config.max_request_body_bytes)
+        body = await read_body(
+            raw_request, config.max_request_body_bytes, config.body_read_timeout_s
+        )
+        return JSONResponse(await prepare(context, _detokenize, body))
+
+    def _detokenize(body: bytes) -> dict[str, Any]:
+        request = parse_body(body, DetokenizeRequest)
         check_model(context, request.model)
         bad = [t for t in request.tokens if not 0 <= t < context.vocab_size]
         if bad:
@@ -195,7 +241,7 @@ def build_app(
                 f"tokens: id {bad[0]} is out of range for vocab_size {context.vocab_size}.",
                 "tokens",
             )
-        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+        return {"prompt": engine.tokenizer.decode(request.tokens)}
 
     @app.get("/health")
     async def health() -> Response:
@@ -211,10 +257,12 @@ def build_app(
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=stat_logger.content_type)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        reset = await async_engine.call(lambda e: e.reset_prefix_cache())
-        return JSONResponse({"success": bool(reset)})
+    if config.enable_dev_endpoints:
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> JSONResponse:
+            reset = await async_engine.call(lambda e: e.reset_prefix_cache())
+            return JSONResponse({"success": bool(reset)})
 
     return app
 
@@ -237,20 +285,12 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
 
 def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Load the model, serve until SIGTERM or Ctrl-C, shut down gracefully; returns 0."""
-    import uvicorn
+    from octavo.entrypoints.server.http_server import make_server
 
     # Built on the thread that will step it: one OpenMP team for all of its torch work.
     async_engine = AsyncEngine.from_factory(lambda: LLMEngine.from_engine_args(engine_args))
     app = make_server_app(async_engine, config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level="info",
-            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
-        )
-    )
+    server = make_server(app, async_engine, config)
     # uvicorn re-raises the signal it caught once it has shut down; with this handler in
     # place that re-raise is a no-op and the process exits 0 after a graceful stop.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

@@ -6,8 +6,8 @@ conversion of OpenAI messages into what chat templates expect: text parts joined
 assistant `content` as "" (templates concatenate it), and assistant `tool_calls` arguments
 parsed from their JSON text into objects (as Hugging Face templates expect, and vLLM does).
 
-Must not: tokenize on the event loop for large inputs (callers use `process_prompt`), or
-step the engine.
+Must not: run on the event loop (handlers call it from their preparation threads), or step
+the engine.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ class ChatRender:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
-
-    @property
-    def size_chars(self) -> int:
-        """A cheap measure of the work, to decide whether to render off the event loop."""
-        size = sum(len(m["content"]) for m in self.messages)
-        return size + (len(json.dumps(self.tools)) if self.tools else 0)
 
     def __call__(self, processor: InputProcessor) -> ProcessedPrompt:
         """Raises OpenAIError (400 naming the parameter) when the conversation cannot be

@@ -15,11 +15,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its request body arrived: nobody to answer."""
+
 
 # OpenAI's error types by status.
 _ERROR_TYPES = {
@@ -27,6 +32,7 @@ _ERROR_TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
@@ -119,6 +125,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.headers:
             response.headers.update(exc.headers)
         return response
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, _: ClientDisconnected) -> Response:
+        # Nobody to answer: one line, no traceback (a client may do this on purpose).
+        logger.info("client left %s %s before its body arrived", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -42,11 +42,13 @@ from octavo.entrypoints.server.protocol import (
     ToolCall,
     TopLogprob,
 )
+from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
     PromptUsage,
     ServingContext,
     check_model,
+    check_num_sequences,
     clamp_logprob,
     decoded,
     engine_error_body,
@@ -54,7 +56,7 @@ from octavo.entrypoints.server.serving_common import (
     make_sampling_params,
     make_usage,
     new_request_id,
-    parse_body,
+    prepare,
     process_prompt,
     run_unless_disconnected,
     sse,
@@ -83,10 +85,25 @@ class OpenAIServingChat:
 
     async def create(self, raw_request: Request) -> Response:
         context = self.context
-        request = await parse_body(
-            raw_request, ChatCompletionRequest, context.max_request_body_bytes
+        body = await read_body(
+            raw_request, context.max_request_body_bytes, context.body_read_timeout_s
         )
+        run = await prepare(context, self._prepare, body, time.monotonic())
+        if run.request.stream:
+            return StreamingResponse(run.stream(), media_type="text/event-stream")
+        response = await run_unless_disconnected(raw_request, run.collect())
+        if response is None:
+            return Response(status_code=499)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _prepare(self, body: bytes, arrival_time: float) -> _Run:
+        """Everything before the engine runs, in a preparation thread: decode and check the
+        body and its tools, build the sampling parameters (compiling any constraint), render
+        the conversation and tokenize it."""
+        context = self.context
+        request = parse_body(body, ChatCompletionRequest)
         check_model(context, request.model)
+        check_num_sequences(context, 1, request.n)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true.", "stream_options"
@@ -112,18 +129,10 @@ class OpenAIServingChat:
             params.structured_outputs = tool_setup.structured_outputs
             rename["structured_outputs"] = "tools"  # a tool schema the grammar cannot take
         processor = context.async_engine.engine.input_processor
-        processed = await process_prompt(
-            context, lambda: render(processor), render.size_chars, params, rename
-        )
+        processed = process_prompt(context, lambda: render(processor), params, rename)
         request_id = new_request_id("chatcmpl")
-        engine_request = EngineRequest(request_id, processed, params, time.monotonic())
-        run = _Run(context, request, engine_request, tool_setup.make_parser)
-        if request.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream")
-        response = await run_unless_disconnected(raw_request, run.collect())
-        if response is None:
-            return Response(status_code=499)
-        return Response(response.model_dump_json(), media_type="application/json")
+        engine_request = EngineRequest(request_id, processed, params, arrival_time)
+        return _Run(context, request, engine_request, tool_setup.make_parser)
 
 
 class _Run:

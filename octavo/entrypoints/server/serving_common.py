@@ -15,37 +15,36 @@ import json
 import math
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
-from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from octavo.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequestError,
+    EngineStepError,
+)
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import RequestOutput
 from octavo.entrypoints.server.errors import (
     OpenAIError,
     bad_request,
     error_body,
-    from_validation_error,
     from_value_error,
 )
 from octavo.entrypoints.server.protocol import PromptTokensDetails, UsageInfo
 
 T = TypeVar("T")
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # vLLM's default cap on logprobs per position.
 MAX_LOGPROBS = 20
 # More samples per prompt than this is a mistake or an attack, not a use.
 MAX_N = 128
-# Prompts longer than this (in characters) are tokenized in a worker thread so a big request
-# does not hold the event loop while others stream.
-_TOKENIZE_INLINE_CHARS = 4096
-# OpenAI seeds are 64-bit; torch accepts signed or unsigned 64-bit values.
-_SEED_RANGE = (-(2**63), 2**64 - 1)
 # logprob -inf has no JSON form; vLLM clamps to this.
 _MIN_LOGPROB = -9999.0
 
@@ -64,6 +63,12 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     max_request_body_bytes: int
+    # Where request bodies are decoded, checked, rendered and tokenized (see `prepare`).
+    executor: Executor
+    # Seconds the whole body may take to arrive.
+    body_read_timeout_s: float = 30.0
+    # Output streams (prompts x n) one request may ask for.
+    max_sequences: int = 256
 
 
 def check_model(context: ServingContext, model: str | None) -> None:
@@ -71,42 +76,21 @@ def check_model(context: ServingContext, model: str | None) -> None:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-async def parse_body(request: Request, model_type: type[ModelT], limit_bytes: int) -> ModelT:
-    """Read at most `limit_bytes` of JSON and validate it; 413 above the limit, 400 on bad
-    JSON or types (never FastAPI's 422 dump)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise _too_large(limit_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise _too_large(limit_bytes)
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.")
-    try:
-        return model_type.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+async def prepare(context: ServingContext, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` in the server's preparation threads, off the event loop: decoding the
+    body, checking it, rendering and tokenizing. Its OpenAIError reaches the caller as is."""
+    return await asyncio.get_running_loop().run_in_executor(context.executor, fn, *args)
 
 
-def _too_large(limit_bytes: int) -> OpenAIError:
-    return OpenAIError(
-        413,
-        f"The request body exceeds the limit of {limit_bytes} bytes.",
-        None,
-        "request_too_large",
-    )
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON number")
+def check_num_sequences(context: ServingContext, num_prompts: int, n: int) -> None:
+    """400 when one request asks for more output streams (prompts x n) than the limit."""
+    if num_prompts * n > context.max_sequences:
+        param = "n" if num_prompts == 1 else "prompt"
+        raise bad_request(
+            f"The request asks for {num_prompts * n} sequences ({num_prompts} prompts x n="
+            f"{n}); at most {context.max_sequences} are allowed per request.",
+            param,
+        )
 
 
 def make_sampling_params(
@@ -122,8 +106,6 @@ def make_sampling_params(
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         param = rename.get("logprobs", "logprobs")
         raise bad_request(f"{param} must be at most {MAX_LOGPROBS}, got {logprobs}.", param)
-    if request.seed is not None and not _SEED_RANGE[0] <= request.seed <= _SEED_RANGE[1]:
-        raise bad_request(f"seed must be a 64-bit integer, got {request.seed}.", "seed")
     if max_tokens is not None and max_tokens > context.max_model_len:
         param = rename.get("max_tokens", "max_tokens")
         raise bad_request(
@@ -218,20 +200,16 @@ def structured_outputs_params(
     return params
 
 
-async def process_prompt(
+def process_prompt(
     context: ServingContext,
     make: Callable[[], ProcessedPrompt],
-    size_chars: int,
     params: SamplingParams,
     rename: dict[str, str],
 ) -> ProcessedPrompt:
-    """Tokenize (inline if small, else in a worker thread) and check the prompt and its
+    """Tokenize (in the preparation thread that calls it) and check the prompt and its
     max_tokens against max_model_len, so the engine never rejects what gets submitted."""
     try:
-        if size_chars > _TOKENIZE_INLINE_CHARS:
-            processed = await asyncio.to_thread(make)
-        else:
-            processed = make()
+        processed = make()
         processor = context.async_engine.engine.input_processor
         processor.resolve_params(params, len(processed.prompt_token_ids))  # checks only
     except ValueError as exc:
@@ -247,7 +225,7 @@ def engine_error_to_openai(exc: Exception) -> OpenAIError:
         return from_value_error(exc, SAMPLING_FIELDS, {})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc))
-    if isinstance(exc, EngineStepError):
+    if isinstance(exc, (EngineStepError, EngineRequestError)):
         return OpenAIError(500, str(exc))
     return OpenAIError(500, f"Internal server error: {exc!r}")
 

@@ -28,11 +28,13 @@ from octavo.entrypoints.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
     PromptUsage,
     ServingContext,
     check_model,
+    check_num_sequences,
     clamp_logprob,
     decoded,
     engine_error_body,
@@ -40,7 +42,7 @@ from octavo.entrypoints.server.serving_common import (
     make_sampling_params,
     make_usage,
     new_request_id,
-    parse_body,
+    prepare,
     process_prompt,
     run_unless_disconnected,
     sse,
@@ -67,21 +69,35 @@ class OpenAIServingCompletion:
 
     async def create(self, raw_request: Request) -> Response:
         context = self.context
-        request = await parse_body(raw_request, CompletionRequest, context.max_request_body_bytes)
+        body = await read_body(
+            raw_request, context.max_request_body_bytes, context.body_read_timeout_s
+        )
+        run = await prepare(context, self._prepare, body, time.monotonic())
+        if run.request.stream:
+            return StreamingResponse(run.stream(), media_type="text/event-stream")
+        response = await run_unless_disconnected(raw_request, run.collect())
+        if response is None:
+            return Response(status_code=499)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _prepare(self, body: bytes, arrival_time: float) -> _Run:
+        """Everything before the engine runs, in a preparation thread: decode and check the
+        body, build the sampling parameters, tokenize every prompt."""
+        context = self.context
+        request = parse_body(body, CompletionRequest)
         check_model(context, request.model)
         _check_unsupported(request)
+        prompts = _prompt_list(request.prompt)
+        check_num_sequences(context, len(prompts), request.n)
         params = make_sampling_params(context, request, request.max_tokens, request.logprobs, {})
         processor = context.async_engine.engine.input_processor
         engine_requests: list[EngineRequest] = []
         request_id = new_request_id("cmpl")
-        arrival_time = time.monotonic()
-        prompts = _prompt_list(request.prompt)
         echoes: list[str] = []
         for index, prompt in enumerate(prompts):
-            processed = await process_prompt(
+            processed = process_prompt(
                 context,
                 lambda p=prompt: processor.process_prompt(p, request.add_special_tokens),
-                len(prompt),
                 params,
                 {},
             )
@@ -94,13 +110,7 @@ class OpenAIServingCompletion:
                     if processed.prompt is not None
                     else context.async_engine.engine.tokenizer.decode(processed.prompt_token_ids)
                 )
-        run = _Run(context, request, request_id, engine_requests, echoes)
-        if request.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream")
-        response = await run_unless_disconnected(raw_request, run.collect())
-        if response is None:
-            return Response(status_code=499)
-        return Response(response.model_dump_json(), media_type="application/json")
+        return _Run(context, request, request_id, engine_requests, echoes)
 
 
 def _check_unsupported(request: CompletionRequest) -> None:

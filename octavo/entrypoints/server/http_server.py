@@ -1,0 +1,122 @@
+"""The HTTP server around the app: uvicorn, with the two things it leaves out.
+
+- A timeout on the request head: uvicorn closes an idle keep-alive connection, but a client
+  that opens a connection and sends its headers a byte at a time (or never) holds it forever.
+  `HeadTimeoutH11Protocol` closes a connection whose request line and headers are not all in
+  within `header_read_timeout_s` (for its first request, and for each next one on a
+  keep-alive connection once bytes of it arrive). The body has its own timeout, in the app.
+- Streams that outlive the shutdown grace period: uvicorn cancels their tasks when it ends,
+  which cuts the connection mid-event. `Server.shutdown` asks the engine, just before that
+  deadline, to end every request still running, so each stream sends an error event and
+  [DONE] and closes on its own.
+
+Must not: know the routes or the engine beyond the one `end_all` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from octavo.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+# How long before the shutdown deadline the streams still running are ended.
+SHUTDOWN_MARGIN_S = 1.0
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for each request's head (see the module)."""
+
+    header_read_timeout_s = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_cycle: Any = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        idle = self._head_timer is None and (self.cycle is None or self.cycle.response_complete)
+        super().data_received(data)
+        if self.cycle is not self._head_cycle:  # a new request's head is complete
+            self._head_cycle = self.cycle
+            self._cancel_head_timer()
+        elif idle and self.cycle is not None and self.cycle.response_complete:
+            # The first bytes of a next request on a keep-alive connection: its head is due.
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.header_read_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        in_request = self.cycle is not None and not self.cycle.response_complete
+        if not in_request and not self.transport.is_closing():
+            logger.info(
+                "closed a connection that sent no complete request head in %g s",
+                self.header_read_timeout_s,
+            )
+            self.transport.close()
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that ends the engine's requests just before the shutdown deadline."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        grace_s = self.config.timeout_graceful_shutdown
+        handle = None
+        if grace_s is not None:
+            handle = asyncio.get_running_loop().call_later(
+                max(grace_s - SHUTDOWN_MARGIN_S, 0.0),
+                self.async_engine.end_all,
+                "The server is shutting down.",
+            )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+
+def make_server(
+    app: Any, async_engine: AsyncEngine, config: Any, log_level: str = "info"
+) -> Server:
+    """The server for `app` with the limits of `config` (a ServerConfig)."""
+    protocol = type(
+        "OctavoH11Protocol",
+        (HeadTimeoutH11Protocol,),
+        {"header_read_timeout_s": config.header_read_timeout_s},
+    )
+    return Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            http=protocol,
+            timeout_keep_alive=config.timeout_keep_alive_s,
+            limit_concurrency=config.limit_concurrency,
+            timeout_graceful_shutdown=config.shutdown_timeout_s,
+        ),
+        async_engine,
+    )

@@ -1,0 +1,72 @@
+"""An octavo server over the mock model (tests/mock_engine.py), for tests of the HTTP layer that
+need no real model: limits, admin endpoints, shutdown, fuzzing. Started in milliseconds, on its
+own port and thread, with the server's real HTTP stack (make_server: uvicorn and its limits)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from octavo.core.mock_runner import MockRunner
+from octavo.engine.async_engine import AsyncEngine
+from octavo.entrypoints.server.app import ServerConfig, make_server_app
+from octavo.entrypoints.server.http_server import Server, make_server
+
+from ..mock_engine import mock_llm
+
+
+class SlowMockRunner(MockRunner):
+    """The mock model taking `step_s` per step, so that a request can still be running when
+    a test wants it to (a stream at shutdown, say)."""
+
+    step_s = 0.05
+
+    def execute(self, out):
+        time.sleep(self.step_s)
+        return super().execute(out)
+
+
+@dataclass
+class MockServer:
+    base_url: str
+    server: Server
+    async_engine: AsyncEngine
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def mock_server(config: ServerConfig | None = None, slow: bool = False) -> Iterator[MockServer]:
+    """A running server over a fresh mock engine (max_model_len 128); stopped on exit."""
+    llm = mock_llm(max_model_len=128)
+    engine = llm.llm_engine
+    if slow:
+        engine.model_runner.__class__ = SlowMockRunner
+    config = replace(config or ServerConfig(), host="127.0.0.1", port=_free_port())
+    app = make_server_app(engine, config)
+    async_engine = app.state.async_engine
+    server = make_server(app, async_engine, config, log_level="warning")
+    thread = threading.Thread(target=server.run, name="mock-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    running = MockServer(f"http://127.0.0.1:{config.port}", server, async_engine, thread)
+    try:
+        yield running
+    finally:
+        running.stop()
