@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from octavo.entrypoints.server.app import ServerConfig
-from octavo.entrypoints.server.request_body import MAX_JSON_DEPTH
+from octavo.entrypoints.server.request_body import MAX_JSON_COST, MAX_JSON_DEPTH
 
 from .conftest import BODY_READ_TIMEOUT_S, HEADER_READ_TIMEOUT_S
 from .mock_server import mock_server
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 def test_a_seed_that_overflows_in_its_children_is_refused_and_the_others_run_on(server, http):
@@ -166,6 +167,20 @@ def test_work_per_request_is_bounded(http):
     assert_error(degenerate, "repetition_penalty", "positive and finite")
     huge = http.post("/tokenize", json={"prompt": "word " * 200_000})
     assert_error(huge, "prompt", "more than max_model_len=1024 tokens can hold")
+
+
+def test_json_that_would_hold_the_event_loop_to_decode_is_refused_unread(http):
+    """1M empty arrays are a 4 MB body that json.loads takes ~0.5 s over, holding the GIL (the
+    event loop and every stream with it); such bodies are counted, not decoded. A large body of
+    the kind real requests carry (a long token-id prompt) is decoded as before."""
+    arrays = {"prompt": "a", "x": [[]] * (MAX_JSON_COST // 4)}
+    keys = {"prompt": "a", "logit_bias": {str(i): 0 for i in range(MAX_JSON_COST // 5 + 1)}}
+    for data in (arrays, keys):
+        content = json.dumps(data, separators=(",", ":"))
+        response = http.post(COMPLETIONS, content=content, headers=JSON_HEADERS)
+        assert_error(response, None, "too much JSON to decode", status=413)
+    long_ids = http.post(COMPLETIONS, json={"prompt": [7] * 100_000, "max_tokens": 1})
+    assert_error(long_ids, "prompt", "max_model_len")
 
 
 def test_preparing_a_request_never_holds_the_event_loop(server, http, monkeypatch):
