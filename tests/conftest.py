@@ -20,6 +20,8 @@ def _fixed_packed_max_rows() -> Iterator[None]:
         patch.setattr(
             select,
             "MatmulCalibration",
-            lambda fixed_rows=None: MatmulCalibration(fixed_rows or PACKED_MAX_ROWS),
+            lambda fixed_rows=None: MatmulCalibration(
+                PACKED_MAX_ROWS if fixed_rows is None else fixed_rows
+            ),
         )
         yield

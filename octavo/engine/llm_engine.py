@@ -25,7 +25,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from octavo.config import EngineArgs, EngineConfig, capacity_line
+from octavo.config import EngineArgs, EngineConfig, capacity_line, weights_line
 from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import FinishReason, Request
 from octavo.core.sampling_params import SamplingParams
@@ -94,6 +94,7 @@ class LLMEngine:
         config = dataclasses.replace(config, backend_choices=backend.describe())
         logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
         logger.info("resolved configuration: %s", config.to_json())
+        logger.info(weights_line(backend.weights_report.get("bytes_by_type", {})))
         logger.info(capacity_line(config.cache, config.scheduler.max_model_len))
         tokenizer = load_tokenizer(config.model, config.chat_template)
         model_config = runner.model_config

@@ -57,6 +57,9 @@ class ModelConfig:
     # Sampling defaults the model ships in generation_config.json, as SamplingParams field
     # names (vLLM applies them when a request leaves the field unset); sorted (name, value).
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    # The GGML block types its weights are held in (a quantized GGUF file's "Q4_K", "Q6_K"),
+    # sorted; empty for float checkpoints.
+    weight_block_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (

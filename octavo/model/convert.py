@@ -33,6 +33,7 @@ from torch import Tensor
 
 from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
+from octavo.model.formats.ggml import QuantizedTensor
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import open_gguf_checkpoint
 
@@ -75,18 +76,24 @@ def convert_gguf(
 
 def write_hf_folder(
     config: ModelConfig,
-    weights: Iterable[tuple[str, Tensor]],
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]],
     tokenizer: Any,
     out: Path,
     dtype: str,
 ) -> None:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer files of
     one model into the existing folder `out`. `weights` are HF-named tensors in HF layout (what
-    the loaders yield); each is cast to `dtype` as it arrives, so memory holds one copy."""
+    the loaders yield; GGML blocks are dequantized); each is cast to `dtype` as it arrives, so
+    memory holds one copy."""
     (out / "config.json").write_text(_dump(hf_config_dict(config, dtype)))
     (out / "generation_config.json").write_text(_dump(generation_config_dict(config)))
     target = DTYPES[dtype]
-    tensors = {name: tensor.to(target).contiguous() for name, tensor in weights}
+    tensors = {
+        name: (
+            t.dequantize(target) if isinstance(t, QuantizedTensor) else t.to(target)
+        ).contiguous()
+        for name, t in weights
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer_files(tokenizer, out, config.max_position_embeddings)
 

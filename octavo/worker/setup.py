@@ -62,6 +62,6 @@ def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]
     backend = select_backend(
         device, TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.cache.dtype], config.backend
     )
-    model, model_config = load_model(config.model, backend)
+    model, model_config = load_model(config.model, backend, config.quantization)
     runner = ModelRunner(model, model_config, config.cache, config.scheduler, backend)
     return runner, backend

@@ -22,17 +22,19 @@ def _shared_load_model():
     load_model = setup_module.load_model
     loaded = {}
 
-    def load(path, backend):
+    def load(path, backend, quantization=None):
         key = (
             path,
+            quantization,
             backend.dtype,
             backend.kv_cache_dtype,
             backend.attention.name,
             backend.ops.name,
             backend.kernels,
+            backend.calibration.fixed_rows if backend.calibration else None,
         )
         if key not in loaded:
-            loaded[key] = load_model(path, backend), backend
+            loaded[key] = load_model(path, backend, quantization), backend
         result, first = loaded[key]
         backend.weights_report, backend.fused_decode_layer = (
             first.weights_report,

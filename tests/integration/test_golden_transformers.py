@@ -1,5 +1,7 @@
 """The embedded model's greedy tokens equal transformers' greedy tokens for the same weights
-(transformers loading the same GGUF, both in float32), token for token."""
+(transformers loading the same GGUF, both in float32), token for token: octavo with its weights
+dequantized for the matmuls (packed_max_rows=0), as transformers dequantizes them at load.
+tests/model/test_quantized.py holds the block kernels' path to this one."""
 
 from __future__ import annotations
 
@@ -22,12 +24,17 @@ NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(llm):
+def float_llm(make_llm):
+    return make_llm(packed_max_rows=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(float_llm):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    folder, name = os.path.split(llm.llm_engine.config.model)
+    folder, name = os.path.split(float_llm.llm_engine.config.model)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval()
 
@@ -47,7 +54,8 @@ def _hf_greedy(model, token_ids: list[int], num_tokens: int) -> list[int]:
     return generated
 
 
-def test_greedy_tokens_match_transformers(llm, hf_model) -> None:
+def test_greedy_tokens_match_transformers(float_llm, hf_model) -> None:
+    llm = float_llm
     tokenizer = llm.get_tokenizer()
     prompts = [
         tokenizer.encode(p, add_special_tokens=False) if p.startswith("<|") else tokenizer.encode(p)

@@ -25,7 +25,14 @@ from octavo.model.config import ModelConfig
 from octavo.model.loader import ModelLoadError, build_model, find_default_model, load_model
 from octavo.model.loader.gguf import open_gguf_checkpoint
 
-from .tiny import PagedHarness, cpu_backend, hf_logits, make_tiny_hf_model, write_tiny_gguf
+from .tiny import (
+    PagedHarness,
+    cpu_backend,
+    float_weights,
+    hf_logits,
+    make_tiny_hf_model,
+    write_tiny_gguf,
+)
 
 # Prompts of the embedded-model tests in test_models_vs_transformers.py (one chat, one plain).
 PROMPTS = [
@@ -205,8 +212,8 @@ def test_octavo_convert_command_writes_a_float_gguf(tmp_path):
     assert result.stdout.strip() == str(tmp_path / "out" / "model.gguf")
     _, original = open_gguf_checkpoint(tmp_path / "tiny.gguf")
     _, rewritten = open_gguf_checkpoint(tmp_path / "out" / "model.gguf")
-    expected = dict(original)
-    for name, tensor in rewritten:
+    expected = dict(float_weights(original))
+    for name, tensor in float_weights(rewritten):
         assert torch.equal(tensor, expected.pop(name)), name
     assert expected == {}
 
@@ -222,11 +229,11 @@ def octavo_logits(model, backend, token_ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     """The embedded GGUF dequantised once: its config, float32 weights, octavo model on them
-    (what octavo serves the GGUF with) and its backend, tokenizer, and the float32 / bfloat16
-    folders."""
+    (the float reference of what octavo serves the GGUF with) and its backend, tokenizer, and
+    the float32 / bfloat16 folders."""
     path = Path(find_default_model())
     config, weights = open_gguf_checkpoint(path)
-    weights = dict(weights)
+    weights = dict(float_weights(weights))
     backend = cpu_backend()
     model = build_model(config, backend)
     model.load_weights(weights.items())

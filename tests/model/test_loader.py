@@ -165,15 +165,18 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
 
 
 def test_gguf_tensor_types_dequantise_and_unpermute(tmp_path):
-    """Every supported type round-trips: a loaded weight equals dequantize(quantize(w)) of the
-    transformers weight in HF row order, so names, permutation and types all line up."""
-    hf_model = make_tiny_hf_model("llama", seed=12)
+    """Every type gguf can write round-trips: a loaded weight (its format's dequantization)
+    equals dequantize(quantize(w)) of the transformers weight in HF row order, so names,
+    permutation and types all line up; shards of different types stay in their own."""
+    hf_model = make_tiny_hf_model("llama", seed=12, num_hidden_layers=3)
     types = {
         "blk.0.attn_q.weight": Q.Q4_0,
         "blk.0.attn_k.weight": Q.Q4_1,
         "blk.0.attn_v.weight": Q.Q8_0,
-        "blk.1.attn_q.weight": Q.F16,
-        "blk.1.attn_k.weight": Q.BF16,
+        "blk.1.attn_q.weight": Q.Q5_0,
+        "blk.1.attn_k.weight": Q.Q5_1,
+        "blk.2.attn_q.weight": Q.F16,
+        "blk.2.attn_k.weight": Q.BF16,
     }
     write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama", types)
     model, _ = load_model(str(tmp_path / "tiny.gguf"), cpu_backend())
@@ -184,7 +187,12 @@ def test_gguf_tensor_types_dequantise_and_unpermute(tmp_path):
         expected = dequantize(quantize(original, qtype), qtype)
         qkv = model.model.layers[int(layer)].self_attn.qkv_proj
         start, size = qkv.shard_offsets[kind], qkv.shard_sizes[kind]
-        np.testing.assert_array_equal(qkv.weight[start : start + size].numpy(), expected)
+        weight = qkv.weight_format.dequantize()
+        np.testing.assert_array_equal(weight[start : start + size].numpy(), expected)
+    # Block types stay blocks: layer 0 is Q4_0 + Q4_1 + Q8_0 parts, and holds no floats.
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_format.name == "Q4_0+Q4_1+Q8_0"
+    assert qkv.weight.device.type == "meta"
     # The round trip is lossy, so the equalities above could not hold by accident.
     weight = hf_state["model.layers.0.self_attn.q_proj.weight"].numpy()
     assert not np.array_equal(dequantize(quantize(weight, Q.Q4_0), Q.Q4_0), weight)
@@ -270,10 +278,15 @@ def test_truncated_gguf(tmp_path):
 
 def test_unsupported_gguf_tensor_type(tmp_path):
     write_tiny_gguf(
-        tmp_path / "q5.gguf", make_tiny_hf_model("llama"), "llama", {"blk.1.ffn_up.weight": Q.Q5_0}
+        tmp_path / "iq.gguf",
+        make_tiny_hf_model("llama"),
+        "llama",
+        {"blk.1.ffn_up.weight": Q.IQ4_NL},
+        # 128 rows of two 18-byte blocks of 32 weights (gguf cannot quantize IQ4_NL).
+        blocks={"blk.1.ffn_up.weight": np.zeros((128, 36), dtype=np.uint8)},
     )
-    with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has GGUF type Q5_0"):
-        load_model(str(tmp_path / "q5.gguf"), cpu_backend())
+    with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has GGUF type IQ4_NL"):
+        load_model(str(tmp_path / "iq.gguf"), cpu_backend())
 
 
 def test_folder_without_a_model(tmp_path):

@@ -326,12 +326,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """(transformers model, octavo model) from the embedded GGUF, float32, loaded once."""
+    """(transformers model, octavo model) from the embedded GGUF, float32, loaded once; octavo's
+    with no block kernel (max_rows=0), its weights dequantized for every matmul as
+    transformers' are at load (tests/model/test_quantized.py holds the block kernels to it)."""
     path = Path(find_default_model())
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    model, backend = load(path)
+    model, backend = load(path, max_rows=0)
     return hf_model, model, backend
 
 

@@ -9,9 +9,11 @@ backend and dtypes asked for. `PagedHarness` owns a block pool with shuffled blo
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from torch import Tensor, nn
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from octavo.config import BackendConfig
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.backends import ModelBackend, select_backend
+from octavo.model.formats.ggml import QuantizedTensor
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.model.loader import load_model
 
@@ -81,9 +84,12 @@ def cpu_backend(
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: torch.dtype | None = None,
     attention: str = "auto",
+    max_rows: int | None = None,
 ) -> ModelBackend:
-    """What select_backend gives a CPU engine with these dtypes and attention_backend."""
-    config = BackendConfig(attention_backend=attention)
+    """What select_backend gives a CPU engine with these dtypes and attention_backend.
+    max_rows: the packed_max_rows setting (0: no packed or block kernel takes any matmul, so a
+    GGUF's blocks are dequantized and multiplied in float: the float reference)."""
+    config = BackendConfig(attention_backend=attention, packed_max_rows=max_rows)
     return select_backend(torch.device("cpu"), dtype, kv_cache_dtype or dtype, config)
 
 
@@ -92,11 +98,20 @@ def load(
     attention: str = "auto",
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: torch.dtype | None = None,
+    max_rows: int | None = None,
 ) -> tuple[nn.Module, ModelBackend]:
     """load_model with cpu_backend(...): the model and the backend it was built with."""
-    backend = cpu_backend(dtype, kv_cache_dtype, attention)
+    backend = cpu_backend(dtype, kv_cache_dtype, attention, max_rows)
     model, _ = load_model(str(path), backend)
     return model, backend
+
+
+def float_weights(
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]],
+) -> Iterator[tuple[str, Tensor]]:
+    """A loader's tensors with GGML blocks dequantized to float32 (the float reference)."""
+    for name, tensor in weights:
+        yield name, tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
 
 
 @dataclass
@@ -224,12 +239,94 @@ def permute_like_llama_cpp(weight: Tensor, num_heads: int) -> Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
+def unpermute_like_octavo(weight: Tensor, num_heads: int) -> Tensor:
+    """The inverse of permute_like_llama_cpp."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def random_blocks(qtype: object, n: int, k: int, seed: int, std: float = 0.2) -> np.ndarray:
+    """(n, row bytes) uint8 GGML blocks of `qtype` from random bits, their float16 scales set
+    so that the weights they stand for (gguf's dequantization) have about `std`: any bit
+    pattern is a valid block given finite scales, so this reaches every code of the type."""
+    from gguf.quants import dequantize
+
+    from octavo.model.formats.ggml import BLOCK_TYPES, row_bytes
+
+    block = BLOCK_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, row_bytes(qtype, k)), dtype=np.uint8)
+    per_block = blocks.reshape(-1, block.type_size)
+
+    def scales(offset: int) -> np.ndarray:
+        return per_block[:, offset : offset + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+    def set_scales(offset: int, values: np.ndarray) -> None:
+        per_block[:, offset : offset + 2] = values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+    # Scales of either sign: the weights then centre on zero, as trained ones do (with positive
+    # ones, the K-quants' minimums shift every weight of a row the same way).
+    for offset in block.f16_offsets:
+        signs = rng.choice([-1.0, 1.0], size=per_block.shape[0])
+        set_scales(offset, signs * rng.uniform(0.5, 1.5, size=per_block.shape[0]))
+    factor = std / float(dequantize(blocks, qtype).std())
+    for offset in block.f16_offsets:
+        set_scales(offset, scales(offset) * factor)
+    return blocks
+
+
+def quantize_tiny_model(
+    hf_model: nn.Module, arch: str, tensor_types: dict[str, object], seed: int = 0
+) -> dict[str, np.ndarray]:
+    """GGML blocks for the GGUF tensors named in tensor_types (GGUF row order): the legacy types
+    quantized by gguf from the model's weights, the K-quants (which gguf cannot quantize)
+    random_blocks. The model's weights become what the blocks stand for (gguf's
+    dequantization, in HF row order), so the model is the float reference of the file that
+    write_tiny_gguf(..., blocks=...) writes."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    config = hf_model.config
+    state = hf_model.state_dict()
+    result = {}
+    for index, (hf_name, tensor) in enumerate(state.items()):
+        name = gguf_name(hf_name)
+        qtype = tensor_types.get(name)
+        if qtype is None:
+            continue
+        heads = None
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            heads = config.num_attention_heads
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            heads = config.num_key_value_heads
+        ordered = tensor if heads is None else permute_like_llama_cpp(tensor, heads)
+        if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+            blocks = quantize(ordered.float().numpy(), qtype)
+        else:
+            blocks = random_blocks(qtype, *ordered.shape, seed=seed + index)
+        weight = torch.from_numpy(dequantize(blocks, qtype).reshape(ordered.shape).copy())
+        if heads is not None:
+            weight = unpermute_like_octavo(weight, heads)
+        with torch.no_grad():
+            hf_model.get_parameter(hf_name).copy_(weight)
+        result[name] = blocks
+    if getattr(config, "tie_word_embeddings", False) and hasattr(hf_model, "tie_weights"):
+        hf_model.tie_weights()
+    return result
+
+
 def write_tiny_gguf(
-    path: Path, hf_model: nn.Module, arch: str, tensor_types: dict[str, object] | None = None
+    path: Path,
+    hf_model: nn.Module,
+    arch: str,
+    tensor_types: dict[str, object] | None = None,
+    blocks: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Write hf_model as a GGUF file the way llama.cpp's converter would (metadata, names,
     Llama q/k permutation). tensor_types maps a GGUF tensor name to a GGMLQuantizationType;
-    the rest are F32."""
+    the rest are F32. `blocks` (quantize_tiny_model's) are written as they are for their
+    names; the other tensors of tensor_types are quantized by gguf."""
     import gguf
     from gguf.quants import quantize
 
@@ -260,7 +357,9 @@ def write_tiny_gguf(
             tensor = permute_like_llama_cpp(tensor, config.num_key_value_heads)
         array = tensor.float().numpy()
         qtype = tensor_types.get(name, gguf.GGMLQuantizationType.F32)
-        if qtype == gguf.GGMLQuantizationType.F32:
+        if blocks and name in blocks:
+            writer.add_tensor(name, blocks[name], raw_dtype=qtype)
+        elif qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
         else:
             writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)

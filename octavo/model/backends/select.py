@@ -35,8 +35,11 @@ from octavo.model.backends.sdpa import SdpaAttention
 from octavo.model.backends.torch_ops import TorchOps
 from octavo.model.cpu import build, fused, packing
 from octavo.model.cpu.calibration import PACKED_MAX_ROWS, MatmulCalibration
-from octavo.model.formats import DenseWeight
+from octavo.model.formats import DenseWeight, LinearWeight
+from octavo.model.formats.base import ConcatWeight
+from octavo.model.formats.ggml import QuantizedTensor
 from octavo.model.formats.packed import PackedWeight
+from octavo.model.formats.quantized import QUANT_MAX_ROWS, QuantizedWeight
 from octavo.model.layers.embedding import VocabEmbedding
 from octavo.model.layers.linear import Linear
 
@@ -84,21 +87,30 @@ class ModelBackend:
             return f"compute dtype {str(self.dtype).removeprefix('torch.')} (float32 only)"
         if self.attention.name != "cpu_paged":
             return f"attention backend {self.attention.name}"
+        if any(
+            isinstance(getattr(m, "weight_format", None), (QuantizedWeight, ConcatWeight))
+            for m in model.modules()
+        ):
+            return "weights in GGML block types"
         return fused.incompatibility(model)
 
     def prepare_weights(self, model: nn.Module) -> dict[str, Any]:
         """Give every Linear of `model` its weight format (and a VocabEmbedding its head
-        format): packed where the kernels are loaded and the dtype allows, else dense. Returns
-        what they became (counts per format, bytes of packed copies, the calibration)."""
+        format): GGML blocks where the checkpoint's weight came in a block type (its float
+        parameter then released), else packed where the kernels are loaded and the dtype
+        allows, else dense. Returns what they became (counts per format, bytes by type, bytes
+        of packed copies, the calibration)."""
         targets = [
             (name, module)
             for name, module in model.named_modules()
             if isinstance(module, (Linear, VocabEmbedding))
         ]
+        quantized = {name: self._quantized_format(module) for name, module in targets}
+        quantized = {name: fmt for name, fmt in quantized.items() if fmt is not None}
         layouts = {}
         if self.kernels:
             for name, module in targets:
-                layout = packing.packed_layout(module.weight)
+                layout = None if name in quantized else packing.packed_layout(module.weight)
                 if layout is not None:
                     layouts[name] = layout
         # The packed copies share one allocation in huge pages: a decode step streams all of
@@ -109,7 +121,9 @@ class ModelBackend:
             zip(layouts, memory.empty_many(list(layouts.values()), huge_pages=self.huge_pages))
         )
         for name, module in targets:
-            if name in slots:
+            if name in quantized:
+                fmt = quantized[name]
+            elif name in slots:
                 packed = packing.pack_linear_weight(module.weight, out=slots[name])
                 # The output projection only ever multiplies sampled rows, never a prompt's.
                 is_head = isinstance(module, VocabEmbedding) or name.rpartition(".")[2] == "lm_head"
@@ -130,7 +144,13 @@ class ModelBackend:
             fmt = module.weight_format if isinstance(module, Linear) else module.head_format
             formats[fmt.name] = formats.get(fmt.name, 0) + 1
         packed_bytes = sum(s.numel() * s.element_size() for s in slots.values())
-        report: dict[str, Any] = {"formats": formats, "packed_bytes": packed_bytes}
+        report: dict[str, Any] = {
+            "formats": formats,
+            "bytes_by_type": weight_bytes_by_type(model),
+            "packed_bytes": packed_bytes,
+        }
+        if slots or quantized:
+            report["matmul_calibration"] = self.calibration.report() if self.calibration else {}
         if slots:
             logger.info(
                 "packed %d weights for decode-sized matmuls (%.0f MiB more; %s)",
@@ -138,8 +158,42 @@ class ModelBackend:
                 packed_bytes / 2**20,
                 ", ".join(f"{n} {name}" for name, n in sorted(formats.items())),
             )
-            report["matmul_calibration"] = self.calibration.report()
         return report
+
+    def _quantized_format(self, module: Linear | VocabEmbedding) -> LinearWeight | None:
+        """The format of a weight that came (wholly or in part) as GGML blocks, or None. Its
+        blocks are copied into memory of the engine's own (one allocation, in huge pages
+        where the system gives them) and the module's float parameter is released."""
+        parts = module.weight_parts()
+        if parts is None:
+            return None
+        # Runs of shards in one block type become one weight, their rows concatenated.
+        runs: list[list[QuantizedTensor | Tensor]] = []
+        for part in parts:
+            if runs and _same_kind(runs[-1][-1], part):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        formats: list[LinearWeight] = []
+        for run in runs:
+            if not isinstance(run[0], QuantizedTensor):
+                formats.append(DenseWeight(torch.cat(run).clone()))
+                continue
+            n, k = sum(t.shape[0] for t in run), run[0].shape[1]
+            blocks = memory.empty(
+                (n, run[0].blocks.shape[1]), torch.uint8, self.device, self.huge_pages
+            )
+            torch.cat([t.blocks for t in run], out=blocks)
+            tensor = QuantizedTensor(blocks, run[0].qtype, (n, k))
+            fmt = QuantizedWeight(tensor, self.dtype, self.kernels, QUANT_MAX_ROWS)
+            if self.calibration is not None:
+                fmt.max_rows = self.calibration.quant_max_rows(fmt)
+            formats.append(fmt)
+        weight = module.weight
+        module.weight = nn.Parameter(
+            torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False
+        )
+        return formats[0] if len(formats) == 1 else ConcatWeight(formats)
 
     def describe(self) -> dict[str, Any]:
         """The choices as plain data, for the start-up configuration JSON."""
@@ -221,6 +275,32 @@ def _attention(
     from octavo.model.backends.cpu import CpuPagedAttention
 
     return CpuPagedAttention(dtype)
+
+
+def weight_bytes_by_type(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights as they are held, by type (GGML block types by name,
+    float tensors by dtype), largest first: what the start-up line states. Packed copies
+    are not counted here (the report's packed_bytes)."""
+    sizes: dict[str, int] = {}
+
+    def add(kind: str, nbytes: int) -> None:
+        sizes[kind] = sizes.get(kind, 0) + nbytes
+
+    for module in model.modules():
+        fmt = getattr(module, "weight_format", None) or getattr(module, "head_format", None)
+        for part in getattr(fmt, "parts", [fmt]):
+            if isinstance(part, QuantizedWeight):
+                add(part.name, part.nbytes)
+        for param in module.parameters(recurse=False):
+            if param.device.type != "meta":
+                add(_dtype_name(param.dtype), param.numel() * param.element_size())
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
+
+
+def _same_kind(a: QuantizedTensor | Tensor, b: QuantizedTensor | Tensor) -> bool:
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        return a.qtype == b.qtype
+    return not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -65,6 +65,11 @@ def time_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dic
     return times
 
 
+# The batch sizes timed for a weight in GGML blocks: the block kernel's integer dot products
+# against dequantizing the weight for the call and torch's GEMM.
+QUANT_CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
+
+
 def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
     """Best-of-`repeats` seconds of packed_linear and of F.linear for `rows` rows, alternated so
     that a slow moment of the machine hits both."""
@@ -123,6 +128,44 @@ class MatmulCalibration:
             )
         return self._limits[key]
 
+    def quant_max_rows(self, fmt: Any) -> int:
+        """The row limit for a formats.quantized.QuantizedWeight: its block kernel against
+        dequantize-then-GEMM, timed at QUANT_CALIBRATION_ROWS smallest first until the GEMM
+        is faster (in two timings running), as packed_max_rows. The fixed setting applies
+        here too."""
+        if self.fixed_rows is not None:
+            return self.fixed_rows
+        t = fmt.tensor
+        key = (tuple(t.shape), t.qtype.name, fmt.dtype, torch.get_num_threads())
+        if key not in self._limits:
+            timings = []
+            x_full = torch.randn(QUANT_CALIBRATION_ROWS[-1], t.shape[1], dtype=fmt.dtype)
+            for rows in QUANT_CALIBRATION_ROWS:
+                x = x_full[:rows]
+                runs = {
+                    "kernel": lambda x=x: ops.quant_linear(x, t.blocks, t.qtype, t.shape[0]),
+                    "torch": lambda x=x: F.linear(x, fmt.dequantize()),
+                }
+                for _ in range(2):  # a busy moment can fake a crossing: the second decides
+                    times = time_interleaved(runs, self.repeats)
+                    kernel_s, torch_s = min(times["kernel"]), min(times["torch"])
+                    if not torch_is_faster(kernel_s, torch_s):
+                        break
+                timings.append((rows, kernel_s, torch_s))
+                if torch_is_faster(kernel_s, torch_s) or kernel_s > CALIBRATION_MAX_CALL_S:
+                    break
+            self._limits[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
+            self._timings[key] = timings
+            logger.info(
+                "%d x %d %s weight: block kernel up to %d rows, dequantized GEMM above (%s)",
+                t.shape[0],
+                t.shape[1],
+                t.qtype.name,
+                self._limits[key],
+                ", ".join(f"{r} rows {p * 1e3:.2f} vs {q * 1e3:.2f} ms" for r, p, q in timings),
+            )
+        return self._limits[key]
+
     def report(self) -> dict[str, Any]:
         """Plain data for the start-up configuration: the fixed limit, or each shape's limit
         with the timings (ms) it was chosen from."""
@@ -132,7 +175,8 @@ class MatmulCalibration:
             "shapes": [
                 {
                     "shape": list(shape),
-                    "packed_dtype": str(packed_dtype).removeprefix("torch."),
+                    # The packed copy's dtype, or the GGML block type.
+                    "format": kind if isinstance(kind, str) else str(kind).removeprefix("torch."),
                     "max_rows": self._limits[key],
                     "timings_ms": [
                         [rows, round(p * 1e3, 3), round(t * 1e3, 3)]
@@ -140,6 +184,7 @@ class MatmulCalibration:
                     ],
                 }
                 for key in self._limits
-                for shape, _, packed_dtype, _ in [key]
+                for shape, first, second, _ in [key]
+                for kind in [first if isinstance(first, str) else second]
             ]
         }

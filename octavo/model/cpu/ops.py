@@ -68,6 +68,24 @@ def packed_linear(x: Tensor, packed: Tensor, n: int) -> Tensor:
     return torch.ops.octavo.packed_linear(x, packed, n)
 
 
+def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
+    """x: (m, k) float32 or bfloat16 (others are converted); blocks: (n, row_bytes) uint8
+    contiguous, each row k weights in GGML block type `qtype` (one of formats.ggml.BLOCK_TYPES,
+    k a whole number of its blocks). Returns x @ W^T as (m, n) float32, with x rounded to 8
+    bits per 32 values (see quant_linear.cpp)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.octavo.quant_linear(x, blocks, int(qtype), n)
+
+
+def quant_dequantize(blocks: Tensor, qtype: int, k: int, dtype: torch.dtype) -> Tensor:
+    """blocks: (rows, row_bytes) uint8 contiguous, as for quant_linear; dtype float32 or
+    bfloat16. Returns the (rows, k) weights the blocks stand for (formats.ggml.dequantize)."""
+    return torch.ops.octavo.quant_dequantize(blocks, int(qtype), k, dtype)
+
+
 def rms_norm_(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> None:
     """In place. x: (num_tokens, hidden) float32 contiguous; weight: (hidden,) float32.
     Without residual: x <- weight * x / rms(x). With residual (same shape, contiguous):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -32,6 +33,11 @@ class LinearWeight(ABC):
         """(n, k): output and input features."""
         return tuple(self.dequantize().shape)  # type: ignore[return-value]
 
+    def embedding(self, ids: Tensor) -> Tensor:
+        """Rows `ids` (num_tokens,) int64 of the weight, (num_tokens, k): the lookup of an
+        embedding table held in this format."""
+        return F.embedding(ids, self.dequantize())
+
 
 class DenseWeight(LinearWeight):
     """The checkpoint's float tensor, multiplied by torch's GEMM (any device, any float dtype)."""
@@ -54,3 +60,28 @@ class DenseWeight(LinearWeight):
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)  # type: ignore[return-value]
+
+
+class ConcatWeight(LinearWeight):
+    """Several weights stacked by output rows, each in its own format: a packed projection
+    whose checkpoint shards came in different formats (a Q4_K_M file's Q4_K q/k with a Q6_K v).
+    Its matmul is each part's, concatenated."""
+
+    def __init__(self, parts: list[LinearWeight]) -> None:
+        self.parts = parts
+        self.name = "+".join(part.name for part in parts)
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        out = torch.cat([part.matmul(x, None) for part in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(part.shape[0] for part in self.parts), self.parts[0].shape[1])

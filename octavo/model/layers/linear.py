@@ -2,8 +2,11 @@
 
 A Linear keeps the checkpoint's weight as a parameter (that is what loading fills) and, once
 the model is loaded, a `weight_format` (model/formats/) chosen by the backend: the dense tensor
-through torch's GEMM, or a copy packed for the CPU kernel, or later a quantized block format.
-Its forward is that format's matmul, so a layer never asks which kernel runs.
+through torch's GEMM, a copy packed for the CPU kernel, or GGML blocks. A checkpoint tensor in a
+block type (formats.ggml.QuantizedTensor) is kept as it came (`quantized`, or per shard in a
+PackedLinear), never turned into floats here: the backend makes its format from it and the
+float parameter is then released. Its forward is that format's matmul, so a layer never asks
+which kernel runs.
 
 PackedLinear: q/k/v and gate/up are separate tensors in every checkpoint; one wider Linear
 replaces three (or two) kernel launches and reads of the input per layer. It owns the mapping
@@ -17,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from octavo.model.formats import LinearWeight
+from octavo.model.formats.ggml import QuantizedTensor
 
 
 class _Unprepared(LinearWeight):
@@ -45,9 +49,16 @@ class Linear(nn.Linear):
     """nn.Linear whose forward is `weight_format.matmul`."""
 
     weight_format: LinearWeight = UNPREPARED
+    # The checkpoint's weight when it came as GGML blocks (then `weight` is not filled).
+    quantized: QuantizedTensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return self.weight_format.matmul(x, self.bias)
+
+    def weight_parts(self) -> list[QuantizedTensor | Tensor] | None:
+        """What the weight was loaded as, by output rows: None when it is all in `weight`
+        (float), else the parts in row order, each blocks or float rows."""
+        return None if self.quantized is None else [self.quantized]
 
 
 class PackedLinear(Linear):
@@ -61,14 +72,16 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_sizes = dict(shard_sizes)
         self.shard_offsets: dict[str, int] = {}
+        self.quantized_shards: dict[str, QuantizedTensor] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = offset
             offset += size
 
-    def load_shard(self, shard: str, param_name: str, loaded: Tensor) -> None:
-        """Copy a checkpoint tensor into rows of `weight` or `bias` (param_name). Raises
-        ValueError if the shard or param is unknown or the shape does not fit."""
+    def load_shard(self, shard: str, param_name: str, loaded: Tensor | QuantizedTensor) -> None:
+        """Copy a checkpoint tensor into rows of `weight` or `bias` (param_name); a weight in
+        GGML blocks is kept as it is (`weight_parts`). Raises ValueError if the shard or param
+        is unknown or the shape does not fit."""
         if shard not in self.shard_sizes:
             raise ValueError(f"unknown shard {shard!r} (have {list(self.shard_sizes)}).")
         param = getattr(self, param_name, None)
@@ -81,8 +94,24 @@ class PackedLinear(Linear):
                 f"shard {shard!r} of {param_name} expects shape {tuple(target.shape)}, "
                 f"got {tuple(loaded.shape)}."
             )
+        if isinstance(loaded, QuantizedTensor):
+            if param_name != "weight":
+                loaded = loaded.dequantize(param.dtype)
+            else:
+                self.quantized_shards[shard] = loaded
+                return
         with torch.no_grad():
             target.copy_(loaded)
+
+    def weight_parts(self) -> list[QuantizedTensor | Tensor] | None:
+        if not self.quantized_shards:
+            return None
+        parts: list[QuantizedTensor | Tensor] = []
+        for shard, start in self.shard_offsets.items():
+            blocks = self.quantized_shards.get(shard)
+            size = self.shard_sizes[shard]
+            parts.append(self.weight.data[start : start + size] if blocks is None else blocks)
+        return parts
 
     def split_output(self, output: Tensor) -> tuple[Tensor, ...]:
         """Split (..., total) into one view per shard, in shard order."""

@@ -3,7 +3,9 @@
 A model declares which checkpoint projections it packs (`packed_modules_mapping`, e.g.
 "q_proj" -> ("qkv_proj", "q")); this module derives from it the full list of checkpoint names the
 model expects, copies each tensor into place and checks that every one arrived exactly once.
-It must not read files: tensors come in as (name, tensor) pairs from any loader.
+It must not read files: tensors come in as (name, tensor) pairs from any loader. A tensor in
+GGML blocks (formats.ggml.QuantizedTensor) is kept as blocks where a linear layer's or an
+embedding's weight takes it, and dequantized where anything else does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from octavo.model.layers.linear import PackedLinear
+from octavo.model.formats.ggml import QuantizedTensor
+from octavo.model.layers.embedding import VocabEmbedding
+from octavo.model.layers.linear import Linear, PackedLinear
 
 # Names some checkpoints carry that no octavo model needs (old HF Llama saved RoPE buffers).
 _ALWAYS_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -23,10 +27,10 @@ PackedMapping = Mapping[str, tuple[str, str]]
 
 def expected_checkpoint_names(
     model: nn.Module, packed_modules_mapping: PackedMapping
-) -> dict[str, Callable[[Tensor], None]]:
+) -> dict[str, Callable[[Tensor | QuantizedTensor], None]]:
     """checkpoint name -> function that copies a tensor of that name into the model."""
     unpacked = {(packed, shard): name for name, (packed, shard) in packed_modules_mapping.items()}
-    loaders: dict[str, Callable[[Tensor], None]] = {}
+    loaders: dict[str, Callable[[Tensor | QuantizedTensor], None]] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for param_name, param in module.named_parameters(recurse=False):
@@ -36,13 +40,13 @@ def expected_checkpoint_names(
                     name = f"{parent}.{unpacked[(packed, shard)]}.{param_name}"
                     loaders[name] = _shard_loader(module, shard, param_name)
             else:
-                loaders[prefix + param_name] = _param_loader(param)
+                loaders[prefix + param_name] = _param_loader(module, param_name, param)
     return loaders
 
 
 def load_checkpoint_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, Tensor]],
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]],
     packed_modules_mapping: PackedMapping,
     ignored_names: frozenset[str] = frozenset(),
 ) -> None:
@@ -75,15 +79,26 @@ def load_checkpoint_weights(
         raise ValueError(f"checkpoint is missing tensors: {shown}.")
 
 
-def _param_loader(param: nn.Parameter) -> Callable[[Tensor], None]:
-    def load(tensor: Tensor) -> None:
+def _param_loader(
+    module: nn.Module, param_name: str, param: nn.Parameter
+) -> Callable[[Tensor | QuantizedTensor], None]:
+    keeps_blocks = param_name == "weight" and isinstance(module, (Linear, VocabEmbedding))
+
+    def load(tensor: Tensor | QuantizedTensor) -> None:
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}.")
+        if isinstance(tensor, QuantizedTensor):
+            if keeps_blocks:
+                module.quantized = tensor
+                return
+            tensor = tensor.dequantize(param.dtype)
         with torch.no_grad():
             param.data.copy_(tensor)
 
     return load
 
 
-def _shard_loader(module: PackedLinear, shard: str, param_name: str) -> Callable[[Tensor], None]:
+def _shard_loader(
+    module: PackedLinear, shard: str, param_name: str
+) -> Callable[[Tensor | QuantizedTensor], None]:
     return lambda tensor: module.load_shard(shard, param_name, tensor)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from octavo.config import QUANTIZATIONS
 from octavo.model.arch import get_spec, load_model_class
 from octavo.model.backends import ModelBackend
 from octavo.model.config import ModelConfig
+from octavo.model.formats.ggml import BLOCK_TYPES, GGMLType, QuantizedTensor, quantize
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import (
     find_default_model,
@@ -31,6 +33,7 @@ from octavo.model.loader.safetensors import open_hf_checkpoint
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "QUANTIZATIONS",
     "ModelLoadError",
     "build_model",
     "find_default_model",
@@ -58,18 +61,26 @@ def read_model_config(path: str) -> ModelConfig:
     return _open_checkpoint(_existing(path))[0]
 
 
-def load_model(path: str, backend: ModelBackend) -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    path: str, backend: ModelBackend, quantization: str | None = None
+) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
+    `quantization` (one of QUANTIZATIONS): "gguf" keeps a GGUF file's block types (as without
+    it); a block type's name quantizes every float matrix of a float checkpoint to it as it is
+    read (formats.ggml.quantize).
 
     Returns the model in eval mode, built with `backend`'s ops, every parameter in its compute
     dtype on its device and every linear weight in the format it chose, and the config. Raises
     ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF tensor
-    type, a truncated or corrupt file, and missing or unexpected tensors.
+    type, a truncated or corrupt file, missing or unexpected tensors, and a quantization that
+    does not apply to the checkpoint.
     """
     source = _existing(path)
     start_s = time.perf_counter()
     config, weights = _open_checkpoint(source)
+    if quantization is not None:
+        weights = _quantize_weights(path, source, config, weights, quantization)
     try:
         model = build_model(config, backend)
     except ModelLoadError as exc:
@@ -92,6 +103,45 @@ def load_model(path: str, backend: ModelBackend) -> tuple[nn.Module, ModelConfig
         time.perf_counter() - start_s,
     )
     return model.eval(), config
+
+
+def _quantize_weights(
+    path: str,
+    source: Path,
+    config: ModelConfig,
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]],
+    quantization: str,
+) -> Iterable[tuple[str, Tensor | QuantizedTensor]]:
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization={quantization!r} is not supported (choose from "
+            f"{', '.join(QUANTIZATIONS)})."
+        )
+    is_gguf = not (source / "config.json").is_file()
+    if quantization == "gguf":
+        if not is_gguf:
+            raise ModelLoadError(f"{path}: quantization='gguf' needs a GGUF file.")
+        return weights
+    if config.weight_block_types:
+        raise ModelLoadError(
+            f"{path}: quantization={quantization!r} quantizes float weights, and this file's "
+            f"are already in {', '.join(config.weight_block_types)}; serve it as it is."
+        )
+    qtype = GGMLType[quantization.upper()]
+    return _quantized(weights, qtype)
+
+
+def _quantized(
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]], qtype: GGMLType
+) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
+    """Every float matrix (linear weights, embeddings) whose rows are whole blocks as `qtype`
+    blocks; vectors (norms, biases) as they are."""
+    block = BLOCK_TYPES[qtype].block_size
+    for name, tensor in weights:
+        if isinstance(tensor, Tensor) and tensor.dim() == 2 and tensor.shape[1] % block == 0:
+            yield name, quantize(tensor, qtype)
+        else:
+            yield name, tensor
 
 
 def build_model(config: ModelConfig, backend: ModelBackend) -> nn.Module:

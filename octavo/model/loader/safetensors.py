@@ -26,6 +26,18 @@ def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, T
     """(config, lazy iterator over every tensor of every safetensors file). Raises
     ModelLoadError for unreadable config files, no or missing weight files, a corrupt header."""
     config_dict = _read_json(folder / "config.json")
+    quantization = config_dict.get("quantization_config")
+    if quantization is not None:
+        method = (
+            quantization.get("quant_method", "unknown")
+            if isinstance(quantization, dict)
+            else quantization
+        )
+        raise ModelLoadError(
+            f"{folder}: a checkpoint quantized with {method!r} (config.json quantization_config), "
+            "which octavo does not load yet. It computes on GGUF block types: load a GGUF file "
+            "of the model, or its float checkpoint with --quantization (q8_0, q4_0, ...)."
+        )
     generation_path = folder / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
     try:

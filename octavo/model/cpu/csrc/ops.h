@@ -27,6 +27,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim);
 int64_t packed_panel();
 
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n);
+at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
+                            at::ScalarType dtype);
+
 // elementwise.cpp
 void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
               bool has_residual);

@@ -8,6 +8,9 @@
 //    time into panels of columns (float32, or bfloat16 widened in registers; accumulation in
 //    fp32): at decode sizes BLAS GEMMs run far below memory bandwidth, and up to prompt sizes it
 //    keeps level with them.
+//  - quant_linear (quant_linear.cpp, quant_blocks.h): the same product with W in one of GGML's
+//    block types (Q4_0 ... Q6_K), on the blocks: x quantized to 8 bits, integer dot products;
+//    and quant_dequantize, the float rows the blocks stand for.
 //
 // Beside them (elementwise.cpp), RMSNorm (with the residual add), rotary embedding, SiLU-and-mul
 // and the KV cache write, one pass each over the data instead of the half-dozen ops (and
@@ -46,6 +49,8 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
       "Tensor seq_lens, float scale) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
+  m.def("quant_dequantize(Tensor blocks, int type, int k, ScalarType dtype) -> Tensor");
   // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
   m.def("packed_panel() -> int", &octavo::packed_panel);
   m.def(
@@ -72,6 +77,8 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("paged_decode_attention", &octavo::paged_decode_attention);
   m.impl("paged_prefill_attention", &octavo::paged_prefill_attention);
   m.impl("packed_linear", &octavo::packed_linear);
+  m.impl("quant_linear", &octavo::quant_linear);
+  m.impl("quant_dequantize", &octavo::quant_dequantize);
   m.impl("rms_norm", &octavo::rms_norm);
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);

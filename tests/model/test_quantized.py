@@ -1,0 +1,420 @@
+"""Weights in GGML block types, computed on their blocks.
+
+The references, innermost first: gguf's numpy dequantization (what llama.cpp's own Python
+package computes) for octavo's torch dequantization (formats/ggml.py); that for the C++
+dequantization and block kernel (the kernel's only departure is x's rounding to 8 bits per 32
+values, which the tests reproduce or bound); transformers on the dequantized weights for whole
+tiny models written as GGUF files; and the float path (the same weights dequantized and
+multiplied in float32) for the embedded model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from octavo.model.cpu import build, ops
+from octavo.model.formats import DenseWeight
+from octavo.model.formats.base import ConcatWeight
+from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor, dequantize
+from octavo.model.formats.quantized import QuantizedWeight
+from octavo.model.loader import find_default_model
+
+from .tiny import (
+    PagedHarness,
+    hf_logits,
+    load,
+    make_tiny_hf_model,
+    quantize_tiny_model,
+    random_blocks,
+    write_tiny_gguf,
+)
+
+kernels = pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
+
+TYPES = list(BLOCK_TYPES)
+LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+
+
+def blocks_of(qtype: Q, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, n, k, seed))
+
+
+def row_lengths(qtype: Q) -> list[int]:
+    """Row lengths with every ending the kernels have: whole lane-order chunks only, chunks
+    and a tail of one to seven 32-blocks, and a tail alone."""
+    if BLOCK_TYPES[qtype].block_size == 256:
+        return [256, 512, 1280]
+    return [32, 96, 256, 576, 1536, 2080]
+
+
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32 values, d = max |x| / 127, q = round-half-even(x * (127 /
+    max |x|)), x ~ d * q (the division written as the kernel computes it)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.full_like(amax, 127.0) / amax
+    q = torch.where(amax > 0, torch.round(blocks * inverse), torch.zeros_like(blocks))
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+# ------------------------------------------------------------------ the blocks
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_torch_dequantization_equals_gguf(qtype):
+    blocks = random_blocks(qtype, 24, 2 * BLOCK_TYPES[qtype].block_size * 4, seed=3)
+    expected = gguf_dequantize(blocks, qtype)
+    got = dequantize(torch.from_numpy(blocks), qtype, expected.shape[1])
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_random_blocks_reach_every_code():
+    """The blocks the tests draw hold every value of every nibble (so no bit of a layout goes
+    untested) and have finite weights of about the asked spread."""
+    for qtype in TYPES:
+        blocks = random_blocks(qtype, 64, 512, seed=1)
+        assert len(np.unique(blocks & 0xF)) == 16 and len(np.unique(blocks >> 4)) == 16
+        weights = gguf_dequantize(blocks, qtype)
+        assert np.isfinite(weights).all()
+        assert 0.1 < weights.std() < 0.4, qtype.name
+
+
+def test_quantized_tensor_checks_its_blocks():
+    with pytest.raises(ValueError, match="Q4_K blocks of a 4 x 512 tensor must be uint8"):
+        QuantizedTensor(torch.zeros(4, 100, dtype=torch.uint8), Q.Q4_K, (4, 512))
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        QuantizedTensor(torch.zeros(4, 100, dtype=torch.uint8), Q.Q4_K, (4, 300))
+
+
+@kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_dequantization_is_exact(qtype):
+    for k in row_lengths(qtype):
+        blocks = blocks_of(qtype, 19, k, seed=k)
+        for dtype in (torch.float32, torch.bfloat16):
+            expected = dequantize(blocks, qtype, k, dtype)
+            assert torch.equal(ops.quant_dequantize(blocks, qtype, k, dtype), expected)
+
+
+@kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_block_kernel_equals_float_compute_on_rounded_activations(qtype):
+    """With x rounded as the kernel rounds it, the kernel's product is the float product of
+    the dequantized weights up to float32 summation: within 1e-5 of the sum of |terms|. Rows
+    of x: one, a tile of four, and tiles with remainders."""
+    n = 37
+    for k in row_lengths(qtype):
+        blocks = blocks_of(qtype, n, k, seed=k)
+        weight = dequantize(blocks, qtype, k)
+        for m in (1, 3, 4, 9):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                got = ops.quant_linear(x, blocks, qtype, n)
+                rounded = rounded_to_8_bits(x)
+                expected = rounded @ weight.T
+                magnitude = rounded.abs() @ weight.abs().T
+                assert ((got - expected).abs() <= 1e-5 * magnitude + 1e-6).all(), (k, m, dtype)
+
+
+@kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_block_kernel_error_is_what_activation_rounding_explains(qtype):
+    """Against the unrounded x, each output is off by at most what rounding x can do: every x
+    moves by at most half a step, max |x| / 254 of its 32-block, so the output by at most the
+    sum of |w| times that (plus float32 summation)."""
+    k, n = 512, 64
+    blocks = blocks_of(qtype, n, k, seed=5)
+    weight = dequantize(blocks, qtype, k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    got = ops.quant_linear(x, blocks, qtype, n)
+    half_step = (x.reshape(6, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32)
+    bound = half_step.reshape(6, k) @ weight.abs().T
+    error = (got - x @ weight.T).abs()
+    assert (error <= bound * (1 + 1e-4) + 1e-5).all()
+    # And x was rounded (the error is far above float32 summation's): independent roundings
+    # add like a random walk, ~1/sqrt(k) of the worst case (measured 0.024 of it).
+    assert error.mean() > 0.005 * bound.mean()
+
+
+# ------------------------------------------------------------------ the format
+
+
+def quantized_weight(qtype: Q, n: int, k: int, max_rows: int, seed: int = 0) -> QuantizedWeight:
+    tensor = QuantizedTensor(blocks_of(qtype, n, k, seed), qtype, (n, k))
+    return QuantizedWeight(tensor, torch.float32, build.load(), max_rows)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_K], ids=lambda t: t.name)
+def test_quantized_weight_paths_against_the_dense_weight(qtype):
+    """Above max_rows (and without kernels, always) the format is the dense weight's own
+    computation on the dequantized weight, so equal to it; at or below, the block kernel
+    within the rounding bound of the kernel tests. Embedding rows are the dequantized rows."""
+    k, n = 512, 48
+    fmt = quantized_weight(qtype, n, k, max_rows=4)
+    dense = DenseWeight(fmt.dequantize())
+    bias = torch.randn(n)
+    x = torch.randn(8, k)
+    assert torch.equal(fmt.matmul(x, bias), dense.matmul(x, bias))
+    if build.load():
+        few = fmt.matmul(x[:3], bias)
+        expected = rounded_to_8_bits(x[:3]) @ dense.weight.T + bias
+        torch.testing.assert_close(few, expected, atol=1e-4, rtol=1e-5)
+    ids = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(fmt.embedding(ids), dense.weight[ids])
+    assert fmt.nbytes == n * k // BLOCK_TYPES[qtype].block_size * BLOCK_TYPES[qtype].type_size
+
+
+def test_concat_weight_stacks_its_parts():
+    parts = [quantized_weight(Q.Q4_K, 32, 256, 0, seed=1), quantized_weight(Q.Q6_K, 16, 256, 0)]
+    concat = ConcatWeight(parts)
+    x, bias = torch.randn(5, 256), torch.randn(48)
+    expected = torch.cat([parts[0].matmul(x, None), parts[1].matmul(x, None)], dim=1) + bias
+    assert torch.equal(concat.matmul(x, bias), expected)
+    assert concat.shape == (48, 256) and concat.name == "Q4_K+Q6_K"
+    assert concat.nbytes == parts[0].nbytes + parts[1].nbytes
+    assert torch.equal(concat.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+# ------------------------------------------------------------------ tiny models in GGUF files
+
+# hidden 256 and intermediate 512: rows of whole 256-weight super-blocks for the K-quants.
+KQUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def tiny_quantized_gguf(
+    path: Path, arch: str, types: dict[str, Q], seed: int = 0, **overrides: object
+) -> torch.nn.Module:
+    """A tiny `arch` model with the given GGUF tensors in block types, written to `path`; returns
+    the transformers model holding exactly the weights the file's blocks stand for."""
+    hf_model = make_tiny_hf_model(arch, seed=seed, **{**KQUANT_SHAPE, **overrides})
+    blocks = quantize_tiny_model(hf_model, arch, types, seed)
+    write_tiny_gguf(path, hf_model, arch, types, blocks)
+    return hf_model
+
+
+def all_linear(qtype: Q, layers: int = 2) -> dict[str, Q]:
+    return {f"blk.{i}.{name}.weight": qtype for i in range(layers) for name in LINEAR}
+
+
+def logits_of(model, backend, token_ids):
+    return PagedHarness(model, backend, num_blocks=16, block_size=4).step({"r": token_ids})["r"]
+
+
+TOKENS = [3, 17, 200, 45, 9, 31, 128, 77, 5, 250, 64]
+
+
+def emulated_logits(monkeypatch, model, backend, token_ids):
+    """The logits of `model` with every block-type matmul replaced by its float reference on
+    x rounded as the block kernel rounds it: what the kernel must compute, in float."""
+
+    def matmul(self, x, bias):
+        return F.linear(rounded_to_8_bits(x).to(x.dtype), self.dequantize(), bias)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(QuantizedWeight, "matmul", matmul)
+        return logits_of(model, backend, token_ids)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_in_each_type_matches_transformers(tmp_path, monkeypatch, arch, qtype):
+    """Every linear weight in `qtype` (the K-quants' blocks random, the legacy ones quantized
+    from the model). With no block kernel (dequantized, float32 GEMM) octavo equals
+    transformers on the weights the blocks stand for, as float models do (1e-4). With the block
+    kernel it follows that float computation on 8-bit-rounded activations (within 1% of the
+    logits' spread on average); against transformers the rounding, compounded through a
+    random model's layers, moves logits by 2-4% of their spread on average (measured), so:
+    at most 6%, and the same greedy token at >= 75% of positions."""
+    hf_model = tiny_quantized_gguf(tmp_path / "m.gguf", arch, all_linear(qtype))
+    expected = hf_logits(hf_model, TOKENS)
+    float_model, float_backend = load(tmp_path / "m.gguf", max_rows=0)
+    torch.testing.assert_close(
+        logits_of(float_model, float_backend, TOKENS), expected, atol=1e-4, rtol=1e-4
+    )
+    model, backend = load(tmp_path / "m.gguf")
+    kind = model.model.layers[0].self_attn.qkv_proj.weight_format
+    assert kind.name == qtype.name and kind.max_rows > 0
+    got = logits_of(model, backend, TOKENS)
+    if not build.load():
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        return
+    spread = expected.std().item()
+    emulated = emulated_logits(monkeypatch, model, backend, TOKENS)
+    # Not equal to float32 precision: one float32 summation difference puts some later x on
+    # the other side of a rounding boundary, and such steps compound. Measured 0.3-0.5% of
+    # the spread on average, against 2-4% for the rounding itself.
+    assert (got - emulated).abs().mean().item() < 0.01 * spread
+    assert (got - expected).abs().mean().item() < 0.06 * spread
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_q4_k_m_like_mix_with_quantized_embeddings(tmp_path, monkeypatch):
+    """As a Q4_K_M file holds them: Q4_K q/k/gate/up, Q6_K v and down, Q6_K token embeddings
+    (tied: the output projection too), F32 norms. Shards of two types make one projection of
+    two parts; embeddings are looked up from the blocks; no float copy of a quantized weight
+    is kept."""
+    types = {}
+    for i in range(2):
+        for name in LINEAR:
+            heavy = name in ("attn_v", "ffn_down")
+            types[f"blk.{i}.{name}.weight"] = Q.Q6_K if heavy else Q.Q4_K
+    types["token_embd.weight"] = Q.Q6_K
+    hf_model = tiny_quantized_gguf(
+        tmp_path / "m.gguf", "llama", types, seed=4, tie_word_embeddings=True
+    )
+    model, backend = load(tmp_path / "m.gguf")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_format.name == "Q4_K+Q6_K"
+    assert model.model.embed_tokens.weight.device.type == "meta"
+    assert all(
+        p.device.type == "meta" for n, p in model.named_parameters() if "proj" in n or "embed" in n
+    )
+    report = backend.weights_report["bytes_by_type"]
+    assert set(report) == {"Q4_K", "Q6_K", "float32"}
+    float_model, float_backend = load(tmp_path / "m.gguf", max_rows=0)
+    expected = hf_logits(hf_model, TOKENS)
+    torch.testing.assert_close(
+        logits_of(float_model, float_backend, TOKENS), expected, atol=1e-4, rtol=1e-4
+    )
+    got = logits_of(model, backend, TOKENS)
+    if build.load():
+        emulated = emulated_logits(monkeypatch, model, backend, TOKENS)
+        assert (got - emulated).abs().mean().item() < 0.01 * expected.std().item()
+    assert (got - expected).abs().mean().item() < 0.06 * expected.std().item()
+
+
+def test_start_up_line_states_weight_bytes_by_type():
+    from octavo.config import weights_line
+
+    line = weights_line({"Q4_1": 66355200, "Q8_0": 30081024, "float32": 70272})
+    assert line == "weights: 92.0 MiB (Q4_1 63.3 MiB, Q8_0 28.7 MiB, float32 0.1 MiB)"
+
+
+# ------------------------------------------------------------------ the embedded model
+
+EMBEDDED_PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 20486, 2],
+    [1, 504, 3458, 282, 4649, 314],
+    [1, 11185, 1342, 253, 655, 28],
+    [1, 1030, 15439, 30, 77, 2683, 28],
+    [1, 5248, 9689, 281, 260, 1789, 30],
+    [1, 42, 28, 216, 43, 28, 216, 44, 28],
+    [1, 2683, 3365, 2114, 28, 253, 5356],
+    [1, 378, 1224, 282, 260, 2117, 314, 253],
+]
+
+
+@pytest.mark.slow
+def test_embedded_q4_1_native_agrees_with_the_float_path():
+    """The embedded Q4_1 model computed on its blocks against the same weights dequantized
+    and multiplied in float32: the float path's greedy continuations (8 prompts x 64 tokens),
+    teacher-forced through the native path, get the same greedy token at >= 95% of positions;
+    the mean |difference| of the chosen tokens' logprobs is printed (and bounded)."""
+    path = find_default_model()
+    float_model, float_backend = load(path, max_rows=0)
+    harness = PagedHarness(float_model, float_backend, num_blocks=256, block_size=16)
+    names = [str(i) for i in range(len(EMBEDDED_PROMPTS))]
+    out = harness.step(dict(zip(names, EMBEDDED_PROMPTS)))
+    generated = {name: [] for name in names}
+    float_logprobs = {name: [] for name in names}
+    for _ in range(64):
+        step = {}
+        for name in names:
+            logprobs = out[name][-1].log_softmax(-1)
+            token = int(logprobs.argmax())
+            generated[name].append(token)
+            float_logprobs[name].append(logprobs[token].item())
+            step[name] = [token]
+        out = harness.step(step)
+    model, backend = load(path)
+    assert backend.weights_report["formats"] == {"Q4_1": 120, "Q8_0": 1}
+    native = PagedHarness(model, backend, num_blocks=256, block_size=16).step(
+        {name: prompt + generated[name] for name, prompt in zip(names, EMBEDDED_PROMPTS)}
+    )
+    agree, deltas = 0, []
+    for name, prompt in zip(names, EMBEDDED_PROMPTS):
+        logprobs = native[name][len(prompt) - 1 : -1].log_softmax(-1)
+        tokens = torch.tensor(generated[name])
+        agree += (logprobs.argmax(-1) == tokens).sum().item()
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        deltas += (chosen - torch.tensor(float_logprobs[name])).abs().tolist()
+    total = len(names) * 64
+    mean_delta = sum(deltas) / len(deltas)
+    print(f"greedy agreement {agree}/{total}, mean |delta logprob| {mean_delta:.4f}")
+    assert agree >= 0.95 * total
+    assert mean_delta < 0.1
+
+
+# ------------------------------------------------------------------ quantizing at load
+
+
+def test_config_quantizations_are_the_quantizable_types():
+    from octavo.config import QUANTIZATIONS
+    from octavo.model.formats.ggml import QUANTIZABLE_TYPES
+
+    assert ("gguf", *(t.name.lower() for t in QUANTIZABLE_TYPES)) == QUANTIZATIONS
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
+def test_float_checkpoint_quantized_at_load(tmp_path, qtype):
+    """--quantization on a safetensors folder: every matrix becomes `qtype` blocks, rounded as
+    gguf's quantizer rounds (so: the float path equals transformers on those rounded weights),
+    and the float parameters are gone."""
+    from gguf.quants import dequantize as deq
+    from gguf.quants import quantize as q
+
+    from octavo.model.loader import load_model
+
+    from .tiny import cpu_backend, save_tiny_checkpoint
+
+    hf_model = save_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=3)
+    backend = cpu_backend(max_rows=0)
+    model, _ = load_model(str(tmp_path / "hf"), backend, qtype.name.lower())
+    assert backend.weights_report["formats"] == {qtype.name: 2 * 4 + 2}  # 4 per layer + emb + head
+    assert all(p.device.type == "meta" for p in model.parameters() if p.dim() == 2)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.from_numpy(deq(q(param.numpy(), qtype), qtype)))
+    torch.testing.assert_close(
+        logits_of(model, backend, TOKENS[:6]), hf_logits(hf_model, TOKENS[:6]), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_quantization_that_does_not_apply_is_refused(tmp_path):
+    from octavo.model.loader import ModelLoadError, load_model
+
+    from .tiny import cpu_backend, save_tiny_checkpoint
+
+    tiny_quantized_gguf(tmp_path / "m.gguf", "llama", all_linear(Q.Q4_K))
+    with pytest.raises(ModelLoadError, match=r"already in Q4_K; serve it as it is"):
+        load_model(str(tmp_path / "m.gguf"), cpu_backend(), "q8_0")
+    load_model(str(tmp_path / "m.gguf"), cpu_backend(), "gguf")  # vLLM's spelling: accepted
+    save_tiny_checkpoint(tmp_path / "hf", "llama")
+    with pytest.raises(ModelLoadError, match="quantization='gguf' needs a GGUF file"):
+        load_model(str(tmp_path / "hf"), cpu_backend(), "gguf")
+    with pytest.raises(ModelLoadError, match="quantization='int3' is not supported"):
+        load_model(str(tmp_path / "hf"), cpu_backend(), "int3")
+
+
+def test_hf_quantized_checkpoint_is_named_in_the_error(tmp_path):
+    import json
+
+    from octavo.model.loader import ModelLoadError, load_model
+
+    from .tiny import cpu_backend, save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "hf", "llama")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized with 'gptq'.*does not load yet"):
+        load_model(str(tmp_path / "hf"), cpu_backend())
