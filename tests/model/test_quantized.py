@@ -418,3 +418,24 @@ def test_hf_quantized_checkpoint_is_named_in_the_error(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="quantized with 'gptq'.*does not load yet"):
         load_model(str(tmp_path / "hf"), cpu_backend())
+
+
+@kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_repacked_layout_holds_the_same_weights(qtype):
+    """Where the kernels repack a type (AVX-512 builds), the repacked bytes dequantize to the
+    original blocks' weights exactly and multiply bit for bit as they do (the same lane-order
+    sums), for rows with and without a partial last chunk."""
+    repacked_type = ops.quant_repacked_type(qtype)
+    if repacked_type == qtype:
+        pytest.skip("no repacked layout in this build")
+    for k in row_lengths(qtype):
+        blocks = blocks_of(qtype, 21, k, seed=k)
+        repacked = ops.quant_repack(blocks, qtype, k)
+        assert repacked.shape == blocks.shape and not torch.equal(repacked, blocks)
+        weights = ops.quant_dequantize(repacked, repacked_type, k, torch.float32)
+        assert torch.equal(weights, dequantize(blocks, qtype, k))
+        for m in (1, 5):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            expected = ops.quant_linear(x, blocks, qtype, 21)
+            assert torch.equal(ops.quant_linear(x, repacked, repacked_type, 21), expected)

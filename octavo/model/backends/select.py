@@ -34,6 +34,7 @@ from octavo.model.backends.reference import ReferenceAttention
 from octavo.model.backends.sdpa import SdpaAttention
 from octavo.model.backends.torch_ops import TorchOps
 from octavo.model.cpu import build, fused, packing
+from octavo.model.cpu import ops as cpu_ops
 from octavo.model.cpu.calibration import PACKED_MAX_ROWS, MatmulCalibration
 from octavo.model.formats import DenseWeight, LinearWeight
 from octavo.model.formats.base import ConcatWeight
@@ -180,12 +181,18 @@ class ModelBackend:
                 formats.append(DenseWeight(torch.cat(run).clone()))
                 continue
             n, k = sum(t.shape[0] for t in run), run[0].shape[1]
-            blocks = memory.empty(
-                (n, run[0].blocks.shape[1]), torch.uint8, self.device, self.huge_pages
-            )
-            torch.cat([t.blocks for t in run], out=blocks)
-            tensor = QuantizedTensor(blocks, run[0].qtype, (n, k))
-            fmt = QuantizedWeight(tensor, self.dtype, self.kernels, QUANT_MAX_ROWS)
+            qtype = run[0].qtype
+            source = torch.cat([t.blocks for t in run])
+            kernel_type = None
+            if self.kernels and cpu_ops.quant_repacked_type(qtype) != qtype:
+                # The kernels' own arrangement of the same bytes (model/cpu/ops.py).
+                kernel_type = cpu_ops.quant_repacked_type(qtype)
+                source = cpu_ops.quant_repack(source, qtype, k)
+            blocks = memory.empty(tuple(source.shape), torch.uint8, self.device, self.huge_pages)
+            blocks.copy_(source)
+            del source
+            tensor = QuantizedTensor(blocks, qtype, (n, k))
+            fmt = QuantizedWeight(tensor, self.dtype, self.kernels, QUANT_MAX_ROWS, kernel_type)
             if self.calibration is not None:
                 fmt.max_rows = self.calibration.quant_max_rows(fmt)
             formats.append(fmt)

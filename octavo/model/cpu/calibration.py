@@ -143,7 +143,9 @@ class MatmulCalibration:
             for rows in QUANT_CALIBRATION_ROWS:
                 x = x_full[:rows]
                 runs = {
-                    "kernel": lambda x=x: ops.quant_linear(x, t.blocks, t.qtype, t.shape[0]),
+                    "kernel": lambda x=x: ops.quant_linear(
+                        x, t.blocks, fmt.kernel_type, t.shape[0]
+                    ),
                     "torch": lambda x=x: F.linear(x, fmt.dequantize()),
                 }
                 for _ in range(2):  # a busy moment can fake a crossing: the second decides

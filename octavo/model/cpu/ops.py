@@ -80,6 +80,19 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     return torch.ops.octavo.quant_linear(x, blocks, int(qtype), n)
 
 
+def quant_repacked_type(qtype: int) -> int:
+    """The id of the kernels' repacked layout of GGML type `qtype` in this build (Q4_0, Q4_1
+    and Q8_0 with AVX-512), or `qtype` itself where there is none."""
+    return torch.ops.octavo.quant_repacked_type(int(qtype))
+
+
+def quant_repack(blocks: Tensor, qtype: int, k: int) -> Tensor:
+    """blocks (as for quant_linear) in the repacked layout of quant_repacked_type(qtype): the
+    same bytes rearranged so the kernel reads each chunk with a few loads (quant_linear.cpp).
+    quant_linear and quant_dequantize take the result with the repacked type id."""
+    return torch.ops.octavo.quant_repack(blocks, int(qtype), k)
+
+
 def quant_dequantize(blocks: Tensor, qtype: int, k: int, dtype: torch.dtype) -> Tensor:
     """blocks: (rows, row_bytes) uint8 contiguous, as for quant_linear; dtype float32 or
     bfloat16. Returns the (rows, k) weights the blocks stand for (formats.ggml.dequantize)."""

@@ -7,6 +7,8 @@ products), reading each byte once; above it (prompt chunks, where the arithmetic
 the weight is dequantized to the compute dtype for the call and multiplied by torch's GEMM.
 Without the kernels (another device, or the kernels off) every call takes that second path
 with the plain-torch dequantization, which is the reference the kernels are tested against.
+Where the kernels have a repacked layout of the type (Q4_0, Q4_1, Q8_0 with AVX-512), the
+blocks are held in it (`kernel_type`: the same bytes rearranged, which only the kernels read).
 """
 
 from __future__ import annotations
@@ -24,12 +26,20 @@ QUANT_MAX_ROWS = 16
 
 class QuantizedWeight(LinearWeight):
     def __init__(
-        self, tensor: QuantizedTensor, dtype: torch.dtype, kernels: bool, max_rows: int
+        self,
+        tensor: QuantizedTensor,
+        dtype: torch.dtype,
+        kernels: bool,
+        max_rows: int,
+        kernel_type: int | None = None,
     ) -> None:
-        self.tensor = tensor
+        self.tensor = tensor  # its blocks in kernel_type's layout, when that is given
         self.dtype = dtype  # the compute dtype: what dequantized weights are made in
         self.kernels = kernels
         self.max_rows = max_rows if kernels else 0
+        self.kernel_type = int(tensor.qtype) if kernel_type is None else kernel_type
+        if kernel_type is not None and not kernels:
+            raise ValueError("a repacked layout needs the CPU kernels, which read it")
         self.name = tensor.qtype.name
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -37,7 +47,7 @@ class QuantizedWeight(LinearWeight):
             from octavo.model.cpu import ops
 
             t = self.tensor
-            out = ops.quant_linear(x, t.blocks, t.qtype, t.shape[0])
+            out = ops.quant_linear(x, t.blocks, self.kernel_type, t.shape[0])
             if bias is not None:
                 out += bias
             return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -51,10 +61,12 @@ class QuantizedWeight(LinearWeight):
 
     def _dequantize(self, blocks: Tensor, dtype: torch.dtype) -> Tensor:
         t = self.tensor
-        if self.kernels and dtype in (torch.float32, torch.bfloat16):
+        if self.kernels:
             from octavo.model.cpu import ops
 
-            return ops.quant_dequantize(blocks, t.qtype, t.shape[1], dtype)
+            kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+            out = ops.quant_dequantize(blocks, self.kernel_type, t.shape[1], kernel_dtype)
+            return out if out.dtype == dtype else out.to(dtype)
         return QuantizedTensor(blocks, t.qtype, (blocks.shape[0], t.shape[1])).dequantize(dtype)
 
     @property

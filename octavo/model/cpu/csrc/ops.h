@@ -31,6 +31,8 @@ int64_t packed_panel();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n);
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
                             at::ScalarType dtype);
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k);
+int64_t quant_repacked_type(int64_t type);
 
 // elementwise.cpp
 void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,

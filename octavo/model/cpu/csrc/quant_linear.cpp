@@ -37,6 +37,10 @@ constexpr int64_t kChunk = 16 * kLanes;
 
 inline int64_t lane_order_end(int64_t k) { return kChunk == 0 ? 0 : k / kChunk * kChunk; }
 
+// A row's length in the kernels' buffers: whole chunks, the last one padded with zeros (whose
+// products are zero), so every row is all chunks in lane order, with no ragged tail path.
+inline int64_t padded(int64_t k) { return kChunk == 0 ? k : (k + kChunk - 1) / kChunk * kChunk; }
+
 // The 4-byte word of weights 4v..4v+3 of sub-block l of a chunk moves to word v * kLanes + l.
 inline void to_lane_order(uint8_t* q, int64_t k) {
 #ifdef OCTAVO_INT8_512
@@ -68,37 +72,97 @@ inline void to_lane_order(uint8_t* q, int64_t k) {
 }
 
 #ifdef OCTAVO_INT8_512
-// Q4_0 / Q4_1 rows straight into lane order (what unpack_row then to_lane_order give): the
-// nibbles of a chunk's eight blocks are gathered into two vectors, and lane l of vector v is
-// word v of block l / 2's nibbles, its low nibbles for even l (weights 0-15 of the block),
-// high for odd (16-31). Returns false for other types.
+// Rows of Q4_0, Q4_1 and Q8_0 (the legacy types octavo meets most) straight into lane order,
+// what unpack_row then to_lane_order give, without a byte of the chunk passing through memory
+// on the way: the chunk's vectors are built from loads and stored whole, 64 bytes at a time,
+// so the dot product's loads of them are forwarded from those stores (the byte-wise and
+// scalar stores of the generic unpackers, read back by 64-byte loads, stall instead).
+
+// The float16 at offset 0 (and 2) of each of the first `present` (<= 8) blocks of `bytes`
+// bytes at `blocks`, as 16 floats [v0 w0 v1 w1 ... v7 w7] (v the half at 0, w the one at 2),
+// zeros for the blocks not present.
+inline __m512 block_halves(const uint8_t* blocks, int64_t bytes, int64_t present) {
+  const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                             _mm256_set1_epi32(static_cast<int>(bytes)));
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present)),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i pairs = _mm256_mask_i32gather_epi32(
+      _mm256_setzero_si256(), reinterpret_cast<const int*>(blocks), offsets, lanes, 1);
+  return _mm512_cvtph_ps(pairs);
+}
+
+// Lanes 2b and 2b + 1 (block b's two sixteens) from element 2b (kFirst) or 2b + 1 of v.
+template <bool kFirst>
+inline __m512 per_sixteen(__m512 v) {
+  const int o = kFirst ? 0 : 1;
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(o, o, 2 + o, 2 + o, 4 + o, 4 + o, 6 + o, 6 + o, 8 + o, 8 + o, 10 + o,
+                        10 + o, 12 + o, 12 + o, 14 + o, 14 + o),
+      v);
+}
+
+// Sixteen bytes at each of four addresses, as one vector.
+inline __m512i load4x16(const uint8_t* a, const uint8_t* b, const uint8_t* c, const uint8_t* d) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), 3);
+}
+
+// Vector v of a chunk in lane order from its four vectors in order (to_lane_order's step).
+inline __m512i lane_order_vector(const __m512i* in, int v) {
+  const __m512i index = _mm512_add_epi32(
+      _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0),
+      _mm512_set1_epi32(v));
+  const __m512i low = _mm512_permutex2var_epi32(in[0], index, in[1]);
+  const __m512i high = _mm512_permutex2var_epi32(in[2], index, in[3]);
+  return _mm512_mask_blend_epi32(0xFF00, low, high);
+}
+
+// Returns false for a type without such an unpacker (unpack_row, then to_lane_order).
 inline bool unpack_lane_order(int64_t type, const uint8_t* row, int64_t k, const Unpacked& u) {
-  if (type != kQ4_0 && type != kQ4_1) return false;
-  const int64_t bytes = type == kQ4_0 ? 18 : 20, nibbles_at = type == kQ4_0 ? 2 : 4;
-  const int64_t full = lane_order_end(k);
+  if (type != kQ4_0 && type != kQ4_1 && type != kQ8_0) return false;
+  const int64_t bytes = block_bytes(type);
+  const int64_t num_blocks = k / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  alignas(64) uint8_t gathered[128];
-  for (int64_t e = 0; e < full; e += kChunk) {
+  // Block b of a chunk, or zeros past the row (the last chunk's padding).
+  alignas(64) static const uint8_t zeros[64] = {};
+  for (int64_t e = 0; e < padded(k); e += kChunk) {
     const uint8_t* blocks = row + e / 32 * bytes;
-    for (int b = 0; b < 8; ++b) std::memcpy(gathered + 16 * b, blocks + b * bytes + nibbles_at, 16);
-    const __m512i first = _mm512_load_si512(gathered), second = _mm512_load_si512(gathered + 64);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i index = _mm512_add_epi32(
-          _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0),
-          _mm512_set1_epi32(v));
-      __m512i words = _mm512_permutex2var_epi32(first, index, second);
-      words = _mm512_mask_srli_epi32(words, 0xAAAA, words, 4);
-      _mm512_storeu_si512(u.q + e + 64 * v, _mm512_and_si512(words, low4));
+    const int64_t present = std::min<int64_t>(8, num_blocks - e / 32);
+    const uint8_t* block[8];
+    for (int b = 0; b < 8; ++b) block[b] = b < present ? blocks + b * bytes : zeros;
+    const __m512 halves = block_halves(blocks, bytes, present);
+    const __m512 scale = per_sixteen<true>(halves);
+    __m512 bias = _mm512_setzero_ps();
+    if (type == kQ8_0) {
+      // Blocks 2a and 2a + 1's 32 values make vector a of the chunk in order.
+      __m512i in[4];
+      for (int a = 0; a < 4; ++a) {
+        const uint8_t* first = block[2 * a] + (block[2 * a] == zeros ? 0 : 2);
+        const uint8_t* second = block[2 * a + 1] + (block[2 * a + 1] == zeros ? 0 : 2);
+        in[a] = load4x16(first, first + 16, second, second + 16);
+      }
+      for (int v = 0; v < 4; ++v) _mm512_storeu_si512(u.q + e + 64 * v, lane_order_vector(in, v));
+    } else {
+      // Lane l of vector v is word v of block l / 2's nibbles: its low nibbles for even l
+      // (the block's weights 0-15), high for odd (16-31).
+      const int64_t at = type == kQ4_0 ? 2 : 4;
+      auto nibbles = [&](int b) { return block[b] == zeros ? zeros : block[b] + at; };
+      const __m512i first = load4x16(nibbles(0), nibbles(1), nibbles(2), nibbles(3));
+      const __m512i second = load4x16(nibbles(4), nibbles(5), nibbles(6), nibbles(7));
+      for (int v = 0; v < 4; ++v) {
+        const __m512i index = _mm512_add_epi32(
+            _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0),
+            _mm512_set1_epi32(v));
+        __m512i words = _mm512_permutex2var_epi32(first, index, second);
+        words = _mm512_mask_srli_epi32(words, 0xAAAA, words, 4);
+        _mm512_storeu_si512(u.q + e + 64 * v, _mm512_and_si512(words, low4));
+      }
+      bias = type == kQ4_0 ? _mm512_mul_ps(scale, _mm512_set1_ps(-8.f)) : per_sixteen<false>(halves);
     }
-    for (int b = 0; b < 8; ++b) {
-      const uint8_t* block = blocks + b * bytes;
-      const float d = load_half(block);
-      set_block32(u, e / 32 + b, d, type == kQ4_0 ? -8.f * d : load_half(block + 2));
-    }
-  }
-  if (full < k) {  // the tail stays in order
-    const Unpacked tail{u.q + full, u.scale + full / 16, u.bias + full / 16};
-    unpack_row(type, row + full / 32 * bytes, k - full, tail);
+    _mm512_storeu_ps(u.scale + e / 16, scale);
+    _mm512_storeu_ps(u.bias + e / 16, bias);
   }
   return true;
 }
@@ -112,15 +176,18 @@ inline bool unpack_lane_order(int64_t, const uint8_t*, int64_t, const Unpacked&)
 // their block of 32 (x ~ d * q, d = max |x| / 127) and d times the sum of their q (which a
 // weight's bias multiplies): k / 16 of each.
 struct QuantizedX {
-  int64_t k;
+  int64_t kp;  // padded(k): rows lie kp apart, zeros past k
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<float> sum16;
-  QuantizedX(int64_t rows, int64_t k_dim)
-      : k(k_dim), q(rows * k_dim), scale(rows * k_dim / 16), sum16(rows * k_dim / 16) {}
-  const int8_t* q_row(int64_t i) const { return q.data() + i * k; }
-  const float* scale_row(int64_t i) const { return scale.data() + i * k / 16; }
-  const float* sum_row(int64_t i) const { return sum16.data() + i * k / 16; }
+  QuantizedX(int64_t rows, int64_t k)
+      : kp(padded(k)), q(rows * kp), scale(rows * kp / 16), sum16(rows * kp / 16) {}
+  int8_t* q_row(int64_t i) { return q.data() + i * kp; }
+  float* scale_row(int64_t i) { return scale.data() + i * kp / 16; }
+  float* sum_row(int64_t i) { return sum16.data() + i * kp / 16; }
+  const int8_t* q_row(int64_t i) const { return q.data() + i * kp; }
+  const float* scale_row(int64_t i) const { return scale.data() + i * kp / 16; }
+  const float* sum_row(int64_t i) const { return sum16.data() + i * kp / 16; }
 };
 
 template <typename T>
@@ -142,16 +209,16 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* sum16,
     sum16[2 * b] = d * static_cast<float>(sums[0]);
     sum16[2 * b + 1] = d * static_cast<float>(sums[1]);
   }
-  if (lane_order) to_lane_order(reinterpret_cast<uint8_t*>(row), k);
+  if (lane_order) to_lane_order(reinterpret_cast<uint8_t*>(row), padded(k));
 }
 
 void quantize_x(const at::Tensor& x, QuantizedX& out, bool lane_order) {
   const int64_t m = x.size(0), k = x.size(1);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      int8_t* q = out.q.data() + i * k;
-      float* scale = out.scale.data() + i * k / 16;
-      float* sum16 = out.sum16.data() + i * k / 16;
+      int8_t* q = out.q_row(i);
+      float* scale = out.scale_row(i);
+      float* sum16 = out.sum_row(i);
       if (x.scalar_type() == at::kBFloat16) {
         quantize_row(x.data_ptr<c10::BFloat16>() + i * k, k, q, scale, sum16, lane_order);
       } else {
@@ -184,6 +251,104 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#ifdef OCTAVO_INT8_512
+// A weight row's chunks as vectors: chunk(e, wv, ws, wb) gives the chunk at weight e in lane
+// order (four vectors of bytes) with the scale and bias of its sixteen sub-blocks.
+struct UnpackedChunks {
+  const Unpacked& w;
+  void operator()(int64_t e, __m512i* wv, __m512& ws, __m512& wb) const {
+    for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(w.q + e + 64 * v);
+    ws = _mm512_loadu_ps(w.scale + e / 16);
+    wb = _mm512_loadu_ps(w.bias + e / 16);
+  }
+};
+
+// out[r] = the dot products of a weight row (its chunks, kp weights) with R rows of x, each
+// sub-block's integer sum scaled once (see the top of the file).
+template <int R, bool kSigned, typename Chunks>
+inline void dot_chunks(const Chunks& chunks, int64_t kp, const QuantizedX& x, int64_t row0,
+                       float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t e = 0; e < kp; e += kChunk) {
+    __m512i wv[4];
+    __m512 ws, wb;
+    chunks(e, wv, ws, wb);
+    __mmask64 negative[4] = {0, 0, 0, 0};
+    if constexpr (kSigned) {
+      for (int v = 0; v < 4; ++v) {
+        negative[v] = _mm512_movepi8_mask(wv[v]);
+        wv[v] = _mm512_abs_epi8(wv[v]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q_row(row0 + r) + e;
+      __m512i sum = zero;
+      for (int v = 0; v < 4; ++v) {
+        __m512i xv = _mm512_loadu_si512(xq + 64 * v);
+        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, negative[v], zero, xv);
+        sum = dot_u8s8(sum, wv[v], xv);
+      }
+      acc[r] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(sum),
+          _mm512_mul_ps(ws, _mm512_loadu_ps(x.scale_row(row0 + r) + e / 16)), acc[r]);
+      if constexpr (!kSigned) {
+        acc[r] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(x.sum_row(row0 + r) + e / 16), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+// ---- repacked rows ----------------------------------------------------------------------------
+//
+// Q4_0, Q4_1 and Q8_0 weights can be repacked when the model is loaded (quant_repack) so that
+// a chunk's lane-order vectors come out of one or two 64-byte loads and a mask, in registers,
+// with no unpacking through memory: a decode step then streams each weight byte once and does
+// little else. Same bytes as the blocks: a chunk of p blocks (8, fewer in a row's last) is
+//   Q4_0 / Q4_1: L0 (8p bytes) L1 (8p) d (2p) [m (2p)], L0 = V0 | V1 << 4, L1 = V2 | V3 << 4
+//   Q8_0:        V0 V1 V2 V3 (8p bytes each) d (2p)
+// with Vv the chunk's lane-order vector v (lanes 0..2p-1; the rest, past the row, are zero)
+// and d, m the blocks' float16 scale and minimum. Type ids: the GGML id | kRepacked.
+constexpr int64_t kRepacked = 0x100;
+
+inline bool repackable(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
+#ifdef OCTAVO_INT8_512
+struct RepackedChunks {
+  int64_t type;  // the GGML type
+  const uint8_t* row;
+  int64_t num_blocks;
+  void operator()(int64_t e, __m512i* wv, __m512& ws, __m512& wb) const {
+    const int64_t first = e / 32, p = std::min<int64_t>(8, num_blocks - first);
+    const uint8_t* c = row + first * block_bytes(type);
+    const __mmask64 bytes = p == 8 ? ~__mmask64(0) : (__mmask64(1) << (8 * p)) - 1;
+    const __mmask8 halves = static_cast<__mmask8>((1u << p) - 1);
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    auto scales = [&](const uint8_t* at) {
+      const __m256 eight = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, at));
+      return _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(eight));
+    };
+    if (type == kQ8_0) {
+      for (int v = 0; v < 4; ++v) wv[v] = _mm512_maskz_loadu_epi8(bytes, c + 8 * p * v);
+      ws = scales(c + 32 * p);
+      wb = _mm512_setzero_ps();
+      return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int a = 0; a < 2; ++a) {
+      const __m512i both = _mm512_maskz_loadu_epi8(bytes, c + 8 * p * a);
+      wv[2 * a] = _mm512_and_si512(both, low4);
+      wv[2 * a + 1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low4);
+    }
+    ws = scales(c + 16 * p);
+    wb = type == kQ4_0 ? _mm512_mul_ps(ws, _mm512_set1_ps(-8.f)) : scales(c + 18 * p);
+  }
+};
+#endif
+
 // out[r] = sum_e w[e] * x[row0 + r][e] for R rows of x (x as 8-bit values with their scales
 // and sums, w as its unpacked row). kSigned: q is int8 (Q8_0, no bias), else uint8.
 template <int R, bool kSigned, bool kLaneOrder>
@@ -197,77 +362,15 @@ inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t 
     xs[r] = x.scale_row(row0 + r);
     xb[r] = x.sum_row(row0 + r);
   }
-  const int64_t full = kLaneOrder ? lane_order_end(k) : 0;
+  const int64_t full = kLaneOrder ? padded(k) : 0;
   int64_t e = 0;
   float tail[R];
 #ifdef OCTAVO_INT8_512
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
-  for (; e < full; e += kChunk) {
-    __m512i wv[4];
-    __mmask64 negative[4] = {0, 0, 0, 0};
-    for (int v = 0; v < 4; ++v) {
-      wv[v] = _mm512_loadu_si512(w.q + e + 64 * v);
-      if constexpr (kSigned) {
-        negative[v] = _mm512_movepi8_mask(wv[v]);
-        wv[v] = _mm512_abs_epi8(wv[v]);
-      }
-    }
-    const __m512 ws = _mm512_loadu_ps(w.scale + e / 16);
-    for (int r = 0; r < R; ++r) {
-      __m512i sum = zero;
-      for (int v = 0; v < 4; ++v) {
-        __m512i xv = _mm512_loadu_si512(xq[r] + e + 64 * v);
-        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, negative[v], zero, xv);
-        sum = dot_u8s8(sum, wv[v], xv);
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                               _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + e / 16)), acc[r]);
-      if constexpr (!kSigned) {
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w.bias + e / 16),
-                                 _mm512_loadu_ps(xb[r] + e / 16), acc[r]);
-      }
-    }
+  if constexpr (kLaneOrder) {
+    dot_chunks<R, kSigned>(UnpackedChunks{w}, full, x, row0, out);
+    return;
   }
-  if (e < k) {
-    // Past the last whole chunk (or all of a row not in lane order), in order: 64 weights a
-    // vector (the last may hold 32), lane i of one within sixteen i / 4, so each lane's
-    // scale is picked from four.
-    const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    for (int64_t t = e; t < k; t += 64) {
-      const bool whole = k - t >= 64;
-      const __mmask64 bytes = whole ? ~__mmask64(0) : __mmask64(0xFFFFFFFF);
-      const __mmask16 fours = whole ? 0xF : 0x3;
-      __m512i wv = _mm512_maskz_loadu_epi8(bytes, w.q + t);
-      __mmask64 negative = 0;
-      if constexpr (kSigned) {
-        negative = _mm512_movepi8_mask(wv);
-        wv = _mm512_abs_epi8(wv);
-      }
-      const __m512 ws = _mm512_permutexvar_ps(quarter, _mm512_maskz_loadu_ps(fours, w.scale + t / 16));
-      for (int r = 0; r < R; ++r) {
-        __m512i xv = _mm512_maskz_loadu_epi8(bytes, xq[r] + t);
-        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, negative, zero, xv);
-        const __m512 xsv =
-            _mm512_permutexvar_ps(quarter, _mm512_maskz_loadu_ps(fours, xs[r] + t / 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(zero, wv, xv)),
-                                 _mm512_mul_ps(ws, xsv), acc[r]);
-      }
-    }
-    if constexpr (!kSigned) {
-      for (int64_t sub = e / 16; sub < k / 16; sub += 16) {
-        const int64_t count = std::min<int64_t>(16, k / 16 - sub);
-        const __mmask16 left = static_cast<__mmask16>((1u << count) - 1);
-        const __m512 wb = _mm512_maskz_loadu_ps(left, w.bias + sub);
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(wb, _mm512_maskz_loadu_ps(left, xb[r] + sub), acc[r]);
-        }
-      }
-    }
-    e = k;
-  }
-  for (int r = 0; r < R; ++r) tail[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) tail[r] = 0.f;
 #elif defined(OCTAVO_INT8_256)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -338,11 +441,32 @@ void dot_all_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t m, 
   }
 }
 
+#ifdef OCTAVO_INT8_512
+// dot_all_rows for a repacked weight row: its chunks are decoded again for each tile of x rows.
+template <bool kSigned>
+void dot_all_chunks(const RepackedChunks& chunks, int64_t k, const QuantizedX& x, int64_t m,
+                    float* out, int64_t out_stride) {
+  float result[kXRows];
+  const int64_t kp = padded(k);
+  for (int64_t i = 0; i < m; i += kXRows) {
+    const int64_t rows = std::min<int64_t>(kXRows, m - i);
+    switch (rows) {
+      case 4: dot_chunks<4, kSigned>(chunks, kp, x, i, result); break;
+      case 3: dot_chunks<3, kSigned>(chunks, kp, x, i, result); break;
+      case 2: dot_chunks<2, kSigned>(chunks, kp, x, i, result); break;
+      default: dot_chunks<1, kSigned>(chunks, kp, x, i, result); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) out[(i + r) * out_stride] = result[r];
+  }
+}
+#endif
+
 // One row's unpacked buffers, per thread.
 struct RowBuffers {
   std::vector<uint8_t> q;
   std::vector<float> scale, bias;
-  explicit RowBuffers(int64_t k) : q(k), scale(k / 16), bias(k / 16) {}
+  // Zeros past k: the padding of the last chunk (kept zero by the unpackers).
+  explicit RowBuffers(int64_t k) : q(padded(k)), scale(padded(k) / 16), bias(padded(k) / 16) {}
   Unpacked view() { return {q.data(), scale.data(), bias.data()}; }
 };
 
@@ -381,7 +505,89 @@ void store_bf16(const float* src, int64_t k, c10::BFloat16* dst) {
   for (; e < k; ++e) dst[e] = c10::BFloat16(src[e]);
 }
 
+#ifdef OCTAVO_INT8_512
+// A repacked row, unpacked in order (what unpack_row gives for the original blocks).
+void unpack_repacked_row(int64_t type, const uint8_t* row, int64_t k, const Unpacked& u) {
+  const RepackedChunks chunks{type, row, k / 32};
+  alignas(64) uint8_t lanes[kChunk];
+  alignas(64) float scale[16], bias[16];
+  for (int64_t e = 0; e < k; e += kChunk) {
+    __m512i wv[4];
+    __m512 ws, wb;
+    chunks(e, wv, ws, wb);
+    for (int v = 0; v < 4; ++v) _mm512_store_si512(lanes + 64 * v, wv[v]);
+    _mm512_store_ps(scale, ws);
+    _mm512_store_ps(bias, wb);
+    const int64_t subs = std::min<int64_t>(16, (k - e) / 16);
+    for (int l = 0; l < subs; ++l) {
+      for (int v = 0; v < 4; ++v) std::memcpy(u.q + e + 16 * l + 4 * v, lanes + 4 * (v * kLanes + l), 4);
+      u.scale[e / 16 + l] = scale[l];
+      u.bias[e / 16 + l] = bias[l];
+    }
+  }
+}
+#endif
+
+// Unpack a row of `type`, repacked or not.
+inline void unpack_any(int64_t type, const uint8_t* row, int64_t k, const Unpacked& u) {
+#ifdef OCTAVO_INT8_512
+  if (type & kRepacked) {
+    unpack_repacked_row(type & ~kRepacked, row, k, u);
+    return;
+  }
+#endif
+  unpack_row(type, row, k, u);
+}
+
 }  // namespace
+
+int64_t quant_repacked_type(int64_t type) {
+#ifdef OCTAVO_INT8_512
+  if (repackable(type)) return type | kRepacked;
+#endif
+  return type;
+}
+
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k) {
+  TORCH_CHECK(quant_repacked_type(type) != type, "quant_repack: type ", type, " is not repackable");
+  const int64_t rows = blocks.size(0), row_stride = blocks.size(1);
+  at::Tensor out = at::empty_like(blocks);
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t bytes = block_bytes(type), num_blocks = k / 32;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    RowBuffers buffers(k);
+    const Unpacked w = buffers.view();
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = base + i * row_stride;
+      uint8_t* packed = dst + i * row_stride;
+      unpack_row(type, row, k, w);
+      std::memset(w.q + k, 0, padded(k) - k);
+      to_lane_order(w.q, padded(k));
+      for (int64_t first = 0; first < num_blocks; first += 8) {
+        const int64_t p = std::min<int64_t>(8, num_blocks - first);
+        const uint8_t* lanes = w.q + first * 32;  // the chunk in lane order
+        const uint8_t* blocks_in = row + first * bytes;
+        uint8_t* c = packed + first * bytes;
+        if (type == kQ8_0) {
+          for (int v = 0; v < 4; ++v) std::memcpy(c + 8 * p * v, lanes + 64 * v, 8 * p);
+          for (int b = 0; b < p; ++b) std::memcpy(c + 32 * p + 2 * b, blocks_in + b * bytes, 2);
+          continue;
+        }
+        for (int a = 0; a < 2; ++a) {
+          for (int64_t j = 0; j < 8 * p; ++j) {
+            c[8 * p * a + j] = static_cast<uint8_t>(lanes[128 * a + j] | (lanes[128 * a + 64 + j] << 4));
+          }
+        }
+        for (int b = 0; b < p; ++b) {
+          std::memcpy(c + 16 * p + 2 * b, blocks_in + b * bytes, 2);
+          if (type == kQ4_1) std::memcpy(c + 18 * p + 2 * b, blocks_in + b * bytes + 2, 2);
+        }
+      }
+    }
+  });
+  return out;
+}
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1);
@@ -393,14 +599,33 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t t
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   const int64_t row_stride = blocks.size(1);
   float* op = out.data_ptr<float>();
-  const bool is_signed = type == kQ8_0;
+  const bool is_signed = (type & ~kRepacked) == kQ8_0;
+#ifdef OCTAVO_INT8_512
+  if (type & kRepacked) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const RepackedChunks chunks{type & ~kRepacked, base + j * row_stride, k / 32};
+        if (is_signed) {
+          dot_all_chunks<true>(chunks, k, qx, m, op + j, n);
+        } else {
+          dot_all_chunks<false>(chunks, k, qx, m, op + j, n);
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     RowBuffers buffers(k);
     const Unpacked w = buffers.view();
     for (int64_t j = begin; j < end; ++j) {
       if (!lane_order || !unpack_lane_order(type, base + j * row_stride, k, w)) {
         unpack_row(type, base + j * row_stride, k, w);
-        if (lane_order) to_lane_order(w.q, k);
+        if (lane_order) {
+          // The last row's permutation left bytes past k; the padding must be zeros again.
+          std::memset(w.q + k, 0, padded(k) - k);
+          to_lane_order(w.q, padded(k));
+        }
       }
       if (lane_order) {
         if (is_signed) {
@@ -423,14 +648,14 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
   const int64_t rows = blocks.size(0), row_stride = blocks.size(1);
   at::Tensor out = at::empty({rows, k}, blocks.options().dtype(dtype));
   const uint8_t* base = blocks.data_ptr<uint8_t>();
-  const bool is_signed = type == kQ8_0;
+  const bool is_signed = (type & ~kRepacked) == kQ8_0;
   const bool to_bf16 = dtype == at::kBFloat16;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     RowBuffers buffers(k);
     const Unpacked w = buffers.view();
     std::vector<float> row(k);
     for (int64_t i = begin; i < end; ++i) {
-      unpack_row(type, base + i * row_stride, k, w);
+      unpack_any(type, base + i * row_stride, k, w);
       if (is_signed) {
         expand_row<true>(w, k, row.data());
       } else {

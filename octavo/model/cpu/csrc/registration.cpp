@@ -51,6 +51,9 @@ TORCH_LIBRARY(octavo, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int type, int k, ScalarType dtype) -> Tensor");
+  m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
+  // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
+  m.def("quant_repacked_type(int type) -> int", &octavo::quant_repacked_type);
   // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
   m.def("packed_panel() -> int", &octavo::packed_panel);
   m.def(
@@ -79,6 +82,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("packed_linear", &octavo::packed_linear);
   m.impl("quant_linear", &octavo::quant_linear);
   m.impl("quant_dequantize", &octavo::quant_dequantize);
+  m.impl("quant_repack", &octavo::quant_repack);
   m.impl("rms_norm", &octavo::rms_norm);
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);
