@@ -33,7 +33,7 @@ from torch import Tensor
 
 from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
-from octavo.model.formats.ggml import QuantizedTensor
+from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import open_gguf_checkpoint
 
@@ -44,11 +44,21 @@ FORMATS = ("hf", "gguf")
 
 # generation_config.json key for each SamplingParams default (ModelConfig keeps vLLM's names).
 _GENERATION_KEYS = {"max_tokens": "max_new_tokens"}
-# dtype -> (GGUF tensor type, GGUF file type) for --format gguf.
+# dtype -> (GGUF tensor type, GGUF file type) for --format gguf; the block types quantize every
+# matrix whose rows are whole blocks (gguf's quantizers, llama.cpp's reference rounding).
 _GGUF_TYPES = {
     "bfloat16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
     "float16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "float32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q5_1": (GGMLQuantizationType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "q5_0": (GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+}
+# --outtype (llama.cpp's converter's spelling) -> the GGUF type key above.
+OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"} | {
+    name: name for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 }
 
 
@@ -59,8 +69,9 @@ def convert_gguf(
     names are overwritten). Returns the folder for `fmt="hf"`, the written `model.gguf` for
     `fmt="gguf"`. Raises ValueError for an unknown dtype or format and ModelLoadError for a
     file octavo cannot load or a model transformers cannot describe."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported (choose from {', '.join(DTYPES)}).")
+    allowed = _GGUF_TYPES if fmt == "gguf" else DTYPES
+    if dtype not in allowed:
+        raise ValueError(f"dtype={dtype!r} is not supported (choose from {', '.join(allowed)}).")
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not supported (choose from {', '.join(FORMATS)}).")
     source, out = Path(source), Path(out_dir)
@@ -186,11 +197,13 @@ def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int) -> No
 
 
 def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
-    """Rewrite `source` as `target` with every tensor dequantised to `dtype`: metadata (the
-    tokenizer included), names and llama.cpp's layout are kept. 1-D tensors (norms, biases)
-    are stored as F32, as llama.cpp's own converter leaves them, but hold `dtype`'s values.
-    Rounding to bf16/f16 is round-to-nearest-even, the same as torch's cast, so this file and
-    the HF folder of the same dtype hold identical numbers."""
+    """Rewrite `source` as `target` with every tensor dequantised to `dtype` (a _GGUF_TYPES
+    key): metadata (the tokenizer included), names and llama.cpp's layout are kept. 1-D tensors
+    (norms, biases) are stored as F32, as llama.cpp's own converter leaves them, but hold
+    `dtype`'s values. Rounding to bf16/f16 is round-to-nearest-even, the same as torch's cast,
+    so this file and the HF folder of the same dtype hold identical numbers. For a block type,
+    every matrix whose rows are whole blocks is quantized to it (the rest stay F32) and 1-D
+    tensors are F32."""
     reader = GGUFReader(source)
     arch = reader.get_field("general.architecture").contents()
     writer = GGUFWriter(str(target), arch)
@@ -206,10 +219,13 @@ def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
         writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
     tensor_type, file_type = _GGUF_TYPES[dtype]
     writer.add_file_type(file_type)
+    blocks = tensor_type in BLOCK_TYPES
     for tensor in reader.tensors:
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
         array = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-        if tensor_type == GGMLQuantizationType.F32:
+        # A block type takes matrices whose rows are whole blocks; the rest stay exact F32.
+        kept = blocks and (len(shape) != 2 or shape[1] % BLOCK_TYPES[tensor_type].block_size)
+        if tensor_type == GGMLQuantizationType.F32 or kept:
             writer.add_tensor(tensor.name, np.ascontiguousarray(array, dtype=np.float32))
         elif len(shape) == 1:
             # Stored as F32 but rounded like the rest, so every engine sees the same numbers.
@@ -244,6 +260,13 @@ def add_convert_args(parser: argparse.ArgumentParser) -> None:
         help="hf: config.json + model.safetensors + tokenizer files; "
         "gguf: OUTDIR/model.gguf with float tensors (for llama.cpp)",
     )
+    parser.add_argument(
+        "--outtype",
+        choices=list(OUTTYPES),
+        help="write OUTDIR/model.gguf with its matrices in this type (llama.cpp's converter's "
+        "flag; q8_0 ... q4_0 quantize with llama.cpp's reference rounding); implies "
+        "--format gguf and replaces --dtype",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
     start_s = time.perf_counter()
+    if ns.outtype is not None:
+        ns.dtype, ns.fmt = OUTTYPES[ns.outtype], "gguf"
     try:
         written = convert_gguf(ns.gguf, ns.out_dir, ns.dtype, ns.fmt)
     except (ValueError, ModelLoadError) as exc:

@@ -7,7 +7,7 @@ import pytest
 
 from octavo import SamplingParams
 
-from .utils import assert_no_leak
+from .utils import assert_greedy_agrees, assert_no_leak
 
 pytestmark = pytest.mark.slow
 
@@ -101,12 +101,12 @@ def test_preemption_keeps_greedy_output(make_llm, max_rows) -> None:
     prefill attention kernel sums those positions in another order than the decode kernel did
     (last-bit differences). With float weights (packed_max_rows=0) the output is the same token
     for token. The block kernel rounds activations to 8 bits, which turns such a difference
-    into one of about the quantization's own size, so there a near-tie may part later tokens
-    (measured: one of 8 requests, at token 43 of 48): every request still ends with all 48
-    tokens, none lost or repeated, and the first 24 of each are those of the roomy run."""
+    into one of about the quantization's own size, so there a request may part at a near-tie
+    (measured: one of 8, at token 43 of 48); every request still ends with all 48 tokens."""
     prompts = [PROMPT] + OTHERS[:7]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    roomy = _tokens(make_llm(packed_max_rows=max_rows).generate(prompts, params, use_tqdm=False))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    roomy_outputs = make_llm(packed_max_rows=max_rows).generate(prompts, params, use_tqdm=False)
+    roomy = _tokens(roomy_outputs)
     # 8 requests of ~15 + 48 tokens need ~32 blocks of 16; the pool has 12.
     tight = make_llm(kv_cache_tokens=192, max_model_len=192, packed_max_rows=max_rows)
     outputs = tight.generate(prompts, params, use_tqdm=False)
@@ -115,7 +115,7 @@ def test_preemption_keeps_greedy_output(make_llm, max_rows) -> None:
         assert _tokens(outputs) == roomy
     else:
         assert all(len(tokens) == 48 for tokens in _tokens(outputs))
-        assert [t[:24] for t in _tokens(outputs)] == [t[:24] for t in roomy]
+        assert_greedy_agrees(roomy_outputs, outputs)
     assert_no_leak(tight)
 
 

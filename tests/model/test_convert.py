@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -337,3 +338,32 @@ def test_octavo_serves_the_float32_folder_with_the_gguf_greedy_tokens(embedded):
         expected.append(int(logits[-1].argmax()))
         logits = harness.step({"r": expected[-1:]})["r"]
     assert list(output.token_ids) == expected
+
+
+def test_outtype_writes_a_quantized_gguf_octavo_computes_on(tmp_path):
+    """--outtype q8_0 (llama.cpp's converter's flag): every matrix in Q8_0 blocks, rounded by
+    gguf's quantizer from the source's weights, norms in F32; octavo loads it in Q8_0."""
+    from gguf import GGMLQuantizationType as Q
+
+    hf_model = make_tiny_hf_model("llama", seed=9)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama")
+    argv = [str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--outtype", "q8_0"]
+    assert convert.main(argv) == 0
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as deq
+    from gguf.quants import quantize as q
+
+    written = {t.name: t for t in GGUFReader(tmp_path / "out" / "model.gguf").tensors}
+    source = {t.name: t for t in GGUFReader(tmp_path / "tiny.gguf").tensors}
+    for name, tensor in written.items():
+        original = np.asarray(source[name].data)
+        if original.ndim == 2:
+            assert tensor.tensor_type == Q.Q8_0, name
+            expected = deq(q(original, Q.Q8_0), Q.Q8_0)
+            np.testing.assert_array_equal(deq(np.asarray(tensor.data), Q.Q8_0), expected)
+        else:
+            assert tensor.tensor_type == Q.F32 and np.array_equal(tensor.data, original), name
+    backend = cpu_backend()
+    _, config = load_model(str(tmp_path / "out" / "model.gguf"), backend)
+    assert config.weight_block_types == ("Q8_0",)
+    assert set(backend.weights_report["bytes_by_type"]) == {"Q8_0", "float32"}
