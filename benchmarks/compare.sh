@@ -5,6 +5,7 @@
 #
 #     benchmarks/compare.sh                               # everything: A-D, 2 rounds
 #     benchmarks/compare.sh --workloads B --num-prompts 2 --rounds 1 --no-write   # smoke run
+#     benchmarks/compare.sh --weights Q4_K_M              # octavo and llama.cpp on one Q4_K_M
 #
 # What it does, in order:
 #   1. creates vLLM's virtual environment outside the repository (once; see setup_vllm),
@@ -13,6 +14,10 @@
 #   3. converts the model (default: the embedded SmolLM2-135M-Instruct GGUF) with
 #      `octavo convert` to a bfloat16 Hugging Face folder (octavo, vLLM) and a bfloat16 GGUF
 #      (llama.cpp): the same numbers for every engine,
+#      With --weights, octavo and llama.cpp serve one quantized GGUF instead: the model file
+#      as shipped (--weights shipped), a GGUF file given by path, or a type (Q8_0, Q4_K_M,
+#      ...) that llama.cpp's llama-quantize makes from the bfloat16 GGUF; vLLM (whose CPU
+#      build has no GGUF path) stays on the bfloat16 folder,
 #   4. gives every engine the same KV capacity in tokens (--kv-tokens): octavo gets
 #      --kv-cache-tokens, vLLM --kv-cache-memory-bytes = tokens x its bytes per token (the
 #      exact form of VLLM_CPU_KVCACHE_SPACE, which only takes whole GiB), llama.cpp -c with one
@@ -50,6 +55,8 @@ PORT=8765
 VLLM_DTYPE=""
 OCTAVO_KV_DTYPE=bfloat16
 LLAMA_TYPE=bfloat16
+WEIGHTS=""
+WEIGHTS_GGUF=""
 OCTAVO_EXTRA=""
 VLLM_EXTRA=""
 LLAMA_EXTRA=""
@@ -79,6 +86,10 @@ Options:
   --no-llama-build      skip llama.cpp when no binary is given or cached
   --llama-type T        weights of llama.cpp's GGUF: bfloat16, float16, float32
                         (default: $LLAMA_TYPE)
+  --weights W           octavo and llama.cpp serve a quantized GGUF: "shipped" (the model
+                        file itself), a .gguf path, or a llama-quantize type (Q8_0, Q4_K_M,
+                        Q5_K_M, Q6_K, Q4_0, ...) made from the bfloat16 GGUF (default: none,
+                        every engine on bfloat16 weights)
   --octavo-args ARGS    extra flags for octavo serve (quoted)
   --vllm-args ARGS      extra flags for vllm serve (quoted)
   --llama-args ARGS     extra flags for llama-server (quoted)
@@ -105,6 +116,7 @@ parse_args() {
             --llama-server) LLAMA_SERVER=$2; shift ;;
             --no-llama-build) BUILD_LLAMA=0 ;;
             --llama-type) LLAMA_TYPE=$2; shift ;;
+            --weights) WEIGHTS=$2; shift ;;
             --octavo-args) OCTAVO_EXTRA=$2; shift ;;
             --vllm-args) VLLM_EXTRA=$2; shift ;;
             --llama-args) LLAMA_EXTRA=$2; shift ;;
@@ -182,7 +194,10 @@ build_llama_server() {
     # llama-cpp-python's sdist vendors llama.cpp (server included); the web UI is left out
     # (its prebuilt assets would be downloaded) and so is HTTPS.
     local build=$CACHE/llama-build binary=$CACHE/llama-build/bin/llama-server
-    if [ -x "$binary" ]; then LLAMA_SERVER=$binary; return; fi
+    if [ -x "$binary" ] && [ -x "$build/bin/llama-quantize" ]; then
+        LLAMA_SERVER=$binary
+        return
+    fi
     local start=$SECONDS src=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp
     if [ ! -d "$src" ]; then
         "$OCTAVO_PY" -m pip download -q --no-deps --no-binary :all: -d "$CACHE/sdist" \
@@ -194,7 +209,7 @@ build_llama_server() {
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF > "$CACHE/llama-build.log" 2>&1 \
-        && cmake --build "$build" --target llama-server -j "$NCPU" \
+        && cmake --build "$build" --target llama-server llama-quantize -j "$NCPU" \
             >> "$CACHE/llama-build.log" 2>&1 \
         || { log "llama-server build failed (see $CACHE/llama-build.log)"; return 1; }
     LLAMA_SERVER=$binary
@@ -216,11 +231,33 @@ print(f())')
         "$OCTAVO_PY" -m octavo.entrypoints.cli convert "$MODEL" "$HF_DIR" --dtype bfloat16
     fi
     LLAMA_GGUF=$CACHE/models/$stem-$LLAMA_TYPE-gguf/model.gguf
-    if has_engine llamacpp && [ ! -f "$LLAMA_GGUF" ]; then
+    if { has_engine llamacpp || quantize_weights; } && [ ! -f "$LLAMA_GGUF" ]; then
         "$OCTAVO_PY" -m octavo.entrypoints.cli convert "$MODEL" "$(dirname "$LLAMA_GGUF")" \
             --dtype "$LLAMA_TYPE" --format gguf
     fi
+    case $WEIGHTS in
+        "") ;;
+        shipped) WEIGHTS_GGUF=$MODEL ;;
+        *.gguf) WEIGHTS_GGUF=$WEIGHTS ;;
+        *)
+            WEIGHTS_GGUF=$CACHE/models/$stem-$WEIGHTS-gguf/model.gguf
+            if [ ! -f "$WEIGHTS_GGUF" ]; then
+                local quantize
+                quantize=$(dirname "${LLAMA_SERVER:-$CACHE/llama-build/bin/llama-server}")/llama-quantize
+                [ -x "$quantize" ] || die "no llama-quantize next to llama-server ($quantize)"
+                mkdir -p "$(dirname "$WEIGHTS_GGUF")"
+                log "quantizing $LLAMA_GGUF -> $WEIGHTS_GGUF ($WEIGHTS)"
+                "$quantize" "$LLAMA_GGUF" "$WEIGHTS_GGUF" "$WEIGHTS" "$NCPU" \
+                    > "$(dirname "$WEIGHTS_GGUF")/quantize.log" 2>&1 \
+                    || die "llama-quantize failed (see $(dirname "$WEIGHTS_GGUF")/quantize.log)"
+            fi
+            ;;
+    esac
+    [ -z "$WEIGHTS" ] || [ -f "$WEIGHTS_GGUF" ] || die "--weights $WEIGHTS: no file $WEIGHTS_GGUF"
 }
+
+# Whether --weights names a type for llama-quantize (not a file, not "shipped").
+quantize_weights() { [ -n "$WEIGHTS" ] && [ "$WEIGHTS" != shipped ] && [[ "$WEIGHTS" != *.gguf ]]; }
 
 # ------------------------------------------------------------------ servers
 
@@ -233,7 +270,8 @@ start_server() {  # engine log
         octavo)
             # octavo's torch runs GNU OpenMP on every core by default; tcmalloc as for vLLM.
             setsid env ${TCMALLOC:+LD_PRELOAD=$TCMALLOC} OMP_NUM_THREADS=$NCPU \
-                "$OCTAVO_PY" -m octavo.entrypoints.cli serve "$HF_DIR" --port "$PORT" \
+                "$OCTAVO_PY" -m octavo.entrypoints.cli serve "${WEIGHTS_GGUF:-$HF_DIR}" \
+                --port "$PORT" \
                 --served-model-name "$SERVED_NAME" --kv-cache-tokens "$KV_TOKENS" \
                 --kv-cache-dtype "$OCTAVO_KV_DTYPE" $OCTAVO_EXTRA > "$log_file" 2>&1 &
             ;;
@@ -252,7 +290,8 @@ start_server() {  # engine log
         llamacpp)
             # One unified KV pool of KV_TOKENS shared by 32 slots (the most concurrent
             # requests of any workload); llama.cpp's default f16 KV cache.
-            setsid "$LLAMA_SERVER" -m "$LLAMA_GGUF" --port "$PORT" --alias "$SERVED_NAME" \
+            setsid "$LLAMA_SERVER" -m "${WEIGHTS_GGUF:-$LLAMA_GGUF}" --port "$PORT" \
+                --alias "$SERVED_NAME" \
                 -c "$KV_TOKENS" -np 32 --kv-unified -t "$NCPU" -tb "$NCPU" --no-webui \
                 $LLAMA_EXTRA > "$log_file" 2>&1 &
             ;;
@@ -362,7 +401,7 @@ $SEED\`. Settings: octavo \`--dtype auto --kv-cache-dtype $OCTAVO_KV_DTYPE\`; vL
 $VLLM_DTYPE\` (its KV cache auto, the same dtype; its CPU backend offers no 16-bit cache beside
 float32) in its CPU guide's environment (OpenMP bound to cores 0-$((NCPU - 1)),
 ${TCMALLOC:+tcmalloc and }Intel OpenMP preloaded); llama.cpp: a $LLAMA_TYPE GGUF, f16 KV cache,
-32 slots. KV capacity: $KV_TOKENS tokens for every engine. Workloads: A 256+128 tokens x 128 at
+32 slots.${WEIGHTS:+ Weights of octavo and llama.cpp: $(basename "$(dirname "$WEIGHTS_GGUF")")/$(basename "$WEIGHTS_GGUF") (--weights $WEIGHTS), the same file for both; vLLM on the bfloat16 folder.} KV capacity: $KV_TOKENS tokens for every engine. Workloads: A 256+128 tokens x 128 at
 concurrency 32, B 256+128 x 8 at 1, C 512+128 x 64 at 8, D 256 shared + 256 + 128 x 64 at 8.
 EOF
     [ -z "$NUM_PROMPTS" ] || echo "**Smoke run: $NUM_PROMPTS prompts per workload.**"

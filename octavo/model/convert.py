@@ -196,6 +196,23 @@ def save_tokenizer_files(tokenizer: Any, out: Path, model_max_length: int) -> No
     (out / "special_tokens_map.json").write_text(_dump(special))
 
 
+def copy_gguf_metadata(
+    reader: GGUFReader, writer: GGUFWriter, skip_prefixes: tuple[str, ...] = ()
+) -> None:
+    """Every key/value of `reader` (the tokenizer included) into `writer`, but the header's
+    own (GGUF.*), the architecture and file type (the writer sets those) and keys starting
+    with `skip_prefixes`."""
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", *skip_prefixes)) or field.name in (
+            "general.architecture",
+            "general.file_type",
+        ):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+
+
 def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
     """Rewrite `source` as `target` with every tensor dequantised to `dtype` (a _GGUF_TYPES
     key): metadata (the tokenizer included), names and llama.cpp's layout are kept. 1-D tensors
@@ -207,16 +224,7 @@ def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
     reader = GGUFReader(source)
     arch = reader.get_field("general.architecture").contents()
     writer = GGUFWriter(str(target), arch)
-    for field in reader.fields.values():
-        # GGUF.* are the reader's view of the header; the writer adds architecture itself.
-        if field.name.startswith("GGUF.") or field.name in (
-            "general.architecture",
-            "general.file_type",
-        ):
-            continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    copy_gguf_metadata(reader, writer)
     tensor_type, file_type = _GGUF_TYPES[dtype]
     writer.add_file_type(file_type)
     blocks = tensor_type in BLOCK_TYPES

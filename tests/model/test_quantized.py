@@ -439,3 +439,20 @@ def test_repacked_layout_holds_the_same_weights(qtype):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             expected = ops.quant_linear(x, blocks, qtype, 21)
             assert torch.equal(ops.quant_linear(x, repacked, repacked_type, 21), expected)
+
+
+def test_prompt_sized_matmul_in_bfloat16_where_the_cpu_has_it():
+    """gemm_dtype=bfloat16 under float32 compute (a CPU with native bfloat16): above max_rows
+    the weight is dequantized to bfloat16 (exactly the bf16 rounding of its float value) and x
+    rounded to bfloat16, products summed by torch's bf16 GEMM; within the bf16 bound of the
+    float product."""
+    tensor = QuantizedTensor(blocks_of(Q.Q4_K, 40, 512, seed=2), Q.Q4_K, (40, 512))
+    fmt = QuantizedWeight(tensor, torch.float32, build.load(), 4, gemm_dtype=torch.bfloat16)
+    x, bias = torch.randn(9, 512), torch.randn(40)
+    got = fmt.matmul(x, bias)
+    weight = tensor.dequantize()
+    expected = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    magnitude = x.abs() @ weight.abs().T
+    assert ((got - (x @ weight.T + bias)).abs() <= 2**-7 * magnitude).all()

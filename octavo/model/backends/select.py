@@ -63,6 +63,8 @@ class ModelBackend:
     kernels: bool
     huge_pages: bool
     calibration: MatmulCalibration | None
+    # Whether block weights dequantized for large batches multiply in bfloat16 (BackendConfig).
+    bf16_dequantized_gemm: bool = False
     # Why the kernels are off ("" when on).
     kernels_off_reason: str = ""
     # Filled by prepare_model: what the weights became and whether the fused layer runs.
@@ -192,7 +194,10 @@ class ModelBackend:
             blocks.copy_(source)
             del source
             tensor = QuantizedTensor(blocks, qtype, (n, k))
-            fmt = QuantizedWeight(tensor, self.dtype, self.kernels, QUANT_MAX_ROWS, kernel_type)
+            gemm_dtype = torch.bfloat16 if self.bf16_dequantized_gemm else None
+            fmt = QuantizedWeight(
+                tensor, self.dtype, self.kernels, QUANT_MAX_ROWS, kernel_type, gemm_dtype
+            )
             if self.calibration is not None:
                 fmt.max_rows = self.calibration.quant_max_rows(fmt)
             formats.append(fmt)
@@ -263,6 +268,9 @@ def select_backend(
         kernels=kernels,
         huge_pages=config.huge_pages,
         calibration=MatmulCalibration(config.packed_max_rows) if kernels else None,
+        bf16_dequantized_gemm=(
+            config.bf16_dequantized_gemm and dtype == torch.float32 and device.type == "cpu"
+        ),
         kernels_off_reason=off_reason,
     )
 

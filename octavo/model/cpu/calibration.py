@@ -105,65 +105,67 @@ class MatmulCalibration:
         if self.fixed_rows is not None:
             return self.fixed_rows
         key = (tuple(weight.shape), weight.dtype, packed.dtype, torch.get_num_threads())
-        if key not in self._limits:
-            timings = []
-            for rows in CALIBRATION_ROWS:
-                packed_s, torch_s = _time_matmuls(weight, packed, rows, self.repeats)
-                crossed = torch_is_faster(packed_s, torch_s)
-                if crossed:
-                    # A busy moment can fake a crossing: the second timing decides.
-                    packed_s, torch_s = _time_matmuls(weight, packed, rows, self.repeats)
-                    crossed = torch_is_faster(packed_s, torch_s)
-                timings.append((rows, packed_s, torch_s))
-                if crossed or packed_s > CALIBRATION_MAX_CALL_S:
-                    break
-            self._limits[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
-            self._timings[key] = timings
-            logger.info(
-                "%d x %d weight: packed matmul up to %d rows, torch's GEMM above (%s)",
-                weight.shape[0],
-                weight.shape[1],
-                self._limits[key],
-                ", ".join(f"{r} rows {p * 1e3:.2f} vs {t * 1e3:.2f} ms" for r, p, t in timings),
-            )
-        return self._limits[key]
+        return self._limit(
+            key,
+            CALIBRATION_ROWS,
+            lambda rows: _time_matmuls(weight, packed, rows, self.repeats),
+            f"{weight.shape[0]} x {weight.shape[1]} weight: packed matmul",
+            "torch's GEMM",
+        )
 
     def quant_max_rows(self, fmt: Any) -> int:
         """The row limit for a formats.quantized.QuantizedWeight: its block kernel against
-        dequantize-then-GEMM, timed at QUANT_CALIBRATION_ROWS smallest first until the GEMM
-        is faster (in two timings running), as packed_max_rows. The fixed setting applies
-        here too."""
+        dequantize-then-GEMM (its gemm_matmul), timed at QUANT_CALIBRATION_ROWS smallest
+        first until the GEMM is faster (in two timings running), as packed_max_rows. The
+        fixed setting applies here too."""
         if self.fixed_rows is not None:
             return self.fixed_rows
         t = fmt.tensor
         key = (tuple(t.shape), t.qtype.name, fmt.dtype, torch.get_num_threads())
+        x_full = torch.randn(QUANT_CALIBRATION_ROWS[-1], t.shape[1], dtype=fmt.dtype)
+
+        def timed(rows: int) -> tuple[float, float]:
+            x = x_full[:rows]
+            runs = {"kernel": lambda: fmt.kernel_matmul(x), "torch": lambda: fmt.gemm_matmul(x)}
+            times = time_interleaved(runs, self.repeats)
+            return min(times["kernel"]), min(times["torch"])
+
+        return self._limit(
+            key,
+            QUANT_CALIBRATION_ROWS,
+            timed,
+            f"{t.shape[0]} x {t.shape[1]} {t.qtype.name} weight: block kernel",
+            "dequantized GEMM",
+        )
+
+    def _limit(
+        self,
+        key: tuple,
+        sizes: tuple[int, ...],
+        timed: Callable[[int], tuple[float, float]],
+        kernel: str,
+        other: str,
+    ) -> int:
+        """The row limit of `key`, timing (kernel seconds, torch seconds) = timed(rows) at
+        `sizes`, smallest first, until torch's is faster (in two timings running) or one call
+        takes longer than CALIBRATION_MAX_CALL_S; then choose_packed_max_rows. Once per key."""
         if key not in self._limits:
             timings = []
-            x_full = torch.randn(QUANT_CALIBRATION_ROWS[-1], t.shape[1], dtype=fmt.dtype)
-            for rows in QUANT_CALIBRATION_ROWS:
-                x = x_full[:rows]
-                runs = {
-                    "kernel": lambda x=x: ops.quant_linear(
-                        x, t.blocks, fmt.kernel_type, t.shape[0]
-                    ),
-                    "torch": lambda x=x: F.linear(x, fmt.dequantize()),
-                }
-                for _ in range(2):  # a busy moment can fake a crossing: the second decides
-                    times = time_interleaved(runs, self.repeats)
-                    kernel_s, torch_s = min(times["kernel"]), min(times["torch"])
-                    if not torch_is_faster(kernel_s, torch_s):
-                        break
+            for rows in sizes:
+                kernel_s, torch_s = timed(rows)
+                if torch_is_faster(kernel_s, torch_s):
+                    # A busy moment can fake a crossing: the second timing decides.
+                    kernel_s, torch_s = timed(rows)
                 timings.append((rows, kernel_s, torch_s))
                 if torch_is_faster(kernel_s, torch_s) or kernel_s > CALIBRATION_MAX_CALL_S:
                     break
             self._limits[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
             self._timings[key] = timings
             logger.info(
-                "%d x %d %s weight: block kernel up to %d rows, dequantized GEMM above (%s)",
-                t.shape[0],
-                t.shape[1],
-                t.qtype.name,
+                "%s up to %d rows, %s above (%s)",
+                kernel,
                 self._limits[key],
+                other,
                 ", ".join(f"{r} rows {p * 1e3:.2f} vs {q * 1e3:.2f} ms" for r, p, q in timings),
             )
         return self._limits[key]

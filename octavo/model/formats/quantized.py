@@ -32,26 +32,42 @@ class QuantizedWeight(LinearWeight):
         kernels: bool,
         max_rows: int,
         kernel_type: int | None = None,
+        gemm_dtype: torch.dtype | None = None,
     ) -> None:
         self.tensor = tensor  # its blocks in kernel_type's layout, when that is given
         self.dtype = dtype  # the compute dtype: what dequantized weights are made in
         self.kernels = kernels
         self.max_rows = max_rows if kernels else 0
         self.kernel_type = int(tensor.qtype) if kernel_type is None else kernel_type
+        # The dtype a prompt-sized matmul dequantizes to and multiplies in (x converted).
+        self.gemm_dtype = dtype if gemm_dtype is None else gemm_dtype
         if kernel_type is not None and not kernels:
             raise ValueError("a repacked layout needs the CPU kernels, which read it")
         self.name = tensor.qtype.name
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        if x.shape[0] <= self.max_rows:
-            from octavo.model.cpu import ops
+        if x.shape[0] > self.max_rows:
+            return self.gemm_matmul(x, bias)
+        out = self.kernel_matmul(x)
+        if bias is not None:
+            out += bias
+        return out
 
-            t = self.tensor
-            out = ops.quant_linear(x, t.blocks, self.kernel_type, t.shape[0])
-            if bias is not None:
-                out += bias
-            return out if out.dtype == x.dtype else out.to(x.dtype)
-        return F.linear(x, self._dequantize(self.tensor.blocks, x.dtype), bias)
+    def kernel_matmul(self, x: Tensor) -> Tensor:
+        """x @ W^T by the block kernel (the CPU kernels must be loaded), in x's dtype."""
+        from octavo.model.cpu import ops
+
+        t = self.tensor
+        out = ops.quant_linear(x, t.blocks, self.kernel_type, t.shape[0])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def gemm_matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ W^T + bias with W dequantized for the call, by torch's GEMM in gemm_dtype."""
+        if self.gemm_dtype == x.dtype:
+            return F.linear(x, self._dequantize(self.tensor.blocks, x.dtype), bias)
+        weight = self._dequantize(self.tensor.blocks, self.gemm_dtype)
+        out = F.linear(x.to(self.gemm_dtype), weight).to(x.dtype)
+        return out if bias is None else out + bias
 
     def embedding(self, ids: Tensor) -> Tensor:
         return self._dequantize(self.tensor.blocks.index_select(0, ids), self.dtype)
