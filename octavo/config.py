@@ -258,8 +258,8 @@ class EngineArgs:
     packed_max_rows: int | None = setting(
         None,
         "rows up to which the packed (or GGML block) matmul kernel takes a batch; 0: none, "
-        "every matmul in torch's GEMM on float weights (default: timed against it per weight "
-        "shape at load)",
+        "every matmul in torch's GEMM on weights in the compute dtype, the float reference "
+        "(default: timed against it per weight shape at load)",
     )
     huge_pages: bool = setting(
         True, "allocate the KV cache and packed or block weights in 2 MiB pages"
@@ -390,7 +390,10 @@ class EngineArgs:
                 cpu_kernels=self.cpu_kernels,
                 packed_max_rows=self.packed_max_rows,
                 huge_pages=self.huge_pages,
-                bf16_dequantized_gemm=on_cpu and bool(platform.native_bf16),
+                # packed_max_rows=0 is the float reference: weights in the compute dtype.
+                bf16_dequantized_gemm=(
+                    on_cpu and bool(platform.native_bf16) and self.packed_max_rows != 0
+                ),
             ),
             request_log=self.request_log,
             chat_template=load_chat_template(self.chat_template),

@@ -42,7 +42,7 @@ from octavo.model.formats.ggml import QuantizedTensor
 from octavo.model.formats.packed import PackedWeight
 from octavo.model.formats.quantized import QUANT_MAX_ROWS, QuantizedWeight
 from octavo.model.layers.embedding import VocabEmbedding
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import Linear, PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +201,16 @@ class ModelBackend:
             if self.calibration is not None:
                 fmt.max_rows = self.calibration.quant_max_rows(fmt)
             formats.append(fmt)
+        # The float parameter and the loaded blocks (a file's map, or a quantized checkpoint's
+        # copy) go; the module keeps the blocks it now computes with.
         weight = module.weight
         module.weight = nn.Parameter(
             torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False
         )
+        if isinstance(module, PackedLinear):
+            module.quantized_shards = {}
+        else:
+            module.quantized = formats[0].tensor
         return formats[0] if len(formats) == 1 else ConcatWeight(formats)
 
     def describe(self) -> dict[str, Any]:

@@ -31,8 +31,7 @@ constexpr int kLanes = 8;
 #else
 constexpr int kLanes = 0;  // no vector path: everything stays in order
 #endif
-// Weights per lane-order chunk (kLanes sub-blocks of 16); what is past a row's last whole
-// chunk stays in order.
+// Weights per lane-order chunk (kLanes sub-blocks of 16).
 constexpr int64_t kChunk = 16 * kLanes;
 
 inline int64_t lane_order_end(int64_t k) { return kChunk == 0 ? 0 : k / kChunk * kChunk; }
@@ -400,7 +399,7 @@ inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t 
 #else
   for (int r = 0; r < R; ++r) tail[r] = 0.f;
 #endif
-  // Past the last whole chunk (all of the row without vectors), in order, a sixteen at a time.
+  // Without vectors (kLanes == 0): the whole row, in order, a sixteen at a time.
   for (; e < k; e += 16) {
     const int64_t sub = e / 16;
     for (int r = 0; r < R; ++r) {
@@ -420,9 +419,8 @@ inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t 
 constexpr int kXRows = 4;
 
 // Whether a call puts weights and x in lane order: always where there are vectors, whatever m,
-// so that a row's result does not depend on how many rows share the call (the in-order path
-// sums in another order; the engine's batch invariance needs one). The in-order kernel
-// remains for a row's tail past its last whole chunk.
+// so that a row's result does not depend on how many rows share the call (the engine's batch
+// invariance needs one summation order). Only a build without vectors sums in order.
 inline bool use_lane_order(int64_t) { return kLanes > 0; }
 
 template <bool kSigned, bool kLaneOrder>
