@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from octavo.core.request import FinishReason
 from octavo.engine.async_engine import EngineRequest
@@ -42,7 +42,7 @@ from octavo.entrypoints.server.protocol import (
     ToolCall,
     TopLogprob,
 )
-from octavo.entrypoints.server.request_body import parse_body, read_body
+from octavo.entrypoints.server.request_body import parse_body
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
     PromptUsage,
@@ -56,9 +56,8 @@ from octavo.entrypoints.server.serving_common import (
     make_sampling_params,
     make_usage,
     new_request_id,
-    prepare,
     process_prompt,
-    run_unless_disconnected,
+    respond,
     sse,
 )
 from octavo.entrypoints.server.tool_parsers import ToolCallDelta, ToolParser
@@ -84,17 +83,7 @@ class OpenAIServingChat:
         self.tools = tools or ToolServing()
 
     async def create(self, raw_request: Request) -> Response:
-        context = self.context
-        body = await read_body(
-            raw_request, context.max_request_body_bytes, context.body_read_timeout_s
-        )
-        run = await prepare(context, self._prepare, body, time.monotonic())
-        if run.request.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream")
-        response = await run_unless_disconnected(raw_request, run.collect())
-        if response is None:
-            return Response(status_code=499)
-        return Response(response.model_dump_json(), media_type="application/json")
+        return await respond(self.context, raw_request, self._prepare)
 
     def _prepare(self, body: bytes, arrival_time: float) -> _Run:
         """Everything before the engine runs, in a preparation thread: decode and check the

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
@@ -38,6 +40,7 @@ from octavo.entrypoints.server.errors import (
     from_value_error,
 )
 from octavo.entrypoints.server.protocol import PromptTokensDetails, UsageInfo
+from octavo.entrypoints.server.request_body import read_body
 
 T = TypeVar("T")
 
@@ -80,6 +83,23 @@ async def prepare(context: ServingContext, fn: Callable[..., T], *args: Any) -> 
     """Run `fn(*args)` in the server's preparation threads, off the event loop: decoding the
     body, checking it, rendering and tokenizing. Its OpenAIError reaches the caller as is."""
     return await asyncio.get_running_loop().run_in_executor(context.executor, fn, *args)
+
+
+async def respond(
+    context: ServingContext, raw_request: Request, prepare_run: Callable[[bytes, float], Any]
+) -> Response:
+    """What every generating endpoint does with a request: read its body on the event loop
+    (size and time limits), `prepare_run(body, arrival_time)` in a preparation thread (a run
+    with `.request.stream`, `.stream()` and `.collect()`), then stream the run or return its
+    whole response (499 when the client has gone before it is done)."""
+    body = await read_body(raw_request, context.max_request_body_bytes, context.body_read_timeout_s)
+    run = await prepare(context, prepare_run, body, time.monotonic())
+    if run.request.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream")
+    response = await run_unless_disconnected(raw_request, run.collect())
+    if response is None:
+        return Response(status_code=499)
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 def check_num_sequences(context: ServingContext, num_prompts: int, n: int) -> None:
