@@ -9,8 +9,6 @@ touching LLMEngine from the test thread.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +22,8 @@ from octavo.engine.async_engine import AsyncEngine
 from octavo.engine.llm_engine import LLMEngine
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import make_server
+
+from .utils import free_port, start_in_thread
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -77,12 +77,6 @@ class RunningServer:
         assert free == total, f"{total - free} KV blocks leaked"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     engine = LLMEngine.from_engine_args(
@@ -98,7 +92,7 @@ def server() -> Iterator[RunningServer]:
     )
     config = ServerConfig(
         host="127.0.0.1",
-        port=_free_port(),
+        port=free_port(),
         api_key=API_KEY,
         max_request_body_bytes=MAX_BODY_BYTES,
         enable_dev_endpoints=True,
@@ -108,12 +102,7 @@ def server() -> Iterator[RunningServer]:
     )
     app = make_server_app(engine, config)
     uv = make_server(app, app.state.async_engine, config, log_level="warning")
-    thread = threading.Thread(target=uv.run, name="test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
+    thread = start_in_thread(uv, "test-server", 60)
     yield RunningServer(f"http://127.0.0.1:{config.port}", API_KEY, app.state.async_engine, app)
     uv.should_exit = True
     thread.join(30)

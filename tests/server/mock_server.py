@@ -4,7 +4,6 @@ own port and thread, with the server's real HTTP stack (make_server: uvicorn and
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import Server, make_server
 
 from ..mock_engine import mock_llm
+from .utils import free_port, start_in_thread
 
 
 class SlowMockRunner(MockRunner):
@@ -42,12 +42,6 @@ class MockServer:
         self.thread.join(30)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def mock_server(config: ServerConfig | None = None, slow: bool = False) -> Iterator[MockServer]:
     """A running server over a fresh mock engine (max_model_len 128); stopped on exit."""
@@ -55,16 +49,11 @@ def mock_server(config: ServerConfig | None = None, slow: bool = False) -> Itera
     engine = llm.llm_engine
     if slow:
         engine.model_runner.__class__ = SlowMockRunner
-    config = replace(config or ServerConfig(), host="127.0.0.1", port=_free_port())
+    config = replace(config or ServerConfig(), host="127.0.0.1", port=free_port())
     app = make_server_app(engine, config)
     async_engine = app.state.async_engine
     server = make_server(app, async_engine, config, log_level="warning")
-    thread = threading.Thread(target=server.run, name="mock-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    thread = start_in_thread(server, "mock-server", 30)
     running = MockServer(f"http://127.0.0.1:{config.port}", server, async_engine, thread)
     try:
         yield running

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import httpx
+
+from octavo.entrypoints.server.http_server import Server
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_in_thread(server: Server, name: str, timeout_s: float) -> threading.Thread:
+    """Run `server` in a daemon thread and return it once the server listens; fails if the
+    thread dies or `timeout_s` passes first."""
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return thread
 
 
 def assert_error(
