@@ -70,105 +70,6 @@ inline void to_lane_order(uint8_t* q, int64_t k) {
 #endif
 }
 
-#ifdef OCTAVO_INT8_512
-// Rows of Q4_0, Q4_1 and Q8_0 (the legacy types octavo meets most) straight into lane order,
-// what unpack_row then to_lane_order give, without a byte of the chunk passing through memory
-// on the way: the chunk's vectors are built from loads and stored whole, 64 bytes at a time,
-// so the dot product's loads of them are forwarded from those stores (the byte-wise and
-// scalar stores of the generic unpackers, read back by 64-byte loads, stall instead).
-
-// The float16 at offset 0 (and 2) of each of the first `present` (<= 8) blocks of `bytes`
-// bytes at `blocks`, as 16 floats [v0 w0 v1 w1 ... v7 w7] (v the half at 0, w the one at 2),
-// zeros for the blocks not present.
-inline __m512 block_halves(const uint8_t* blocks, int64_t bytes, int64_t present) {
-  const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                             _mm256_set1_epi32(static_cast<int>(bytes)));
-  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present)),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i pairs = _mm256_mask_i32gather_epi32(
-      _mm256_setzero_si256(), reinterpret_cast<const int*>(blocks), offsets, lanes, 1);
-  return _mm512_cvtph_ps(pairs);
-}
-
-// Lanes 2b and 2b + 1 (block b's two sixteens) from element 2b (kFirst) or 2b + 1 of v.
-template <bool kFirst>
-inline __m512 per_sixteen(__m512 v) {
-  const int o = kFirst ? 0 : 1;
-  return _mm512_permutexvar_ps(
-      _mm512_setr_epi32(o, o, 2 + o, 2 + o, 4 + o, 4 + o, 6 + o, 6 + o, 8 + o, 8 + o, 10 + o,
-                        10 + o, 12 + o, 12 + o, 14 + o, 14 + o),
-      v);
-}
-
-// Sixteen bytes at each of four addresses, as one vector.
-inline __m512i load4x16(const uint8_t* a, const uint8_t* b, const uint8_t* c, const uint8_t* d) {
-  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 2);
-  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), 3);
-}
-
-// Vector v of a chunk in lane order from its four vectors in order (to_lane_order's step).
-inline __m512i lane_order_vector(const __m512i* in, int v) {
-  const __m512i index = _mm512_add_epi32(
-      _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0),
-      _mm512_set1_epi32(v));
-  const __m512i low = _mm512_permutex2var_epi32(in[0], index, in[1]);
-  const __m512i high = _mm512_permutex2var_epi32(in[2], index, in[3]);
-  return _mm512_mask_blend_epi32(0xFF00, low, high);
-}
-
-// Returns false for a type without such an unpacker (unpack_row, then to_lane_order).
-inline bool unpack_lane_order(int64_t type, const uint8_t* row, int64_t k, const Unpacked& u) {
-  if (type != kQ4_0 && type != kQ4_1 && type != kQ8_0) return false;
-  const int64_t bytes = block_bytes(type);
-  const int64_t num_blocks = k / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // Block b of a chunk, or zeros past the row (the last chunk's padding).
-  alignas(64) static const uint8_t zeros[64] = {};
-  for (int64_t e = 0; e < padded(k); e += kChunk) {
-    const uint8_t* blocks = row + e / 32 * bytes;
-    const int64_t present = std::min<int64_t>(8, num_blocks - e / 32);
-    const uint8_t* block[8];
-    for (int b = 0; b < 8; ++b) block[b] = b < present ? blocks + b * bytes : zeros;
-    const __m512 halves = block_halves(blocks, bytes, present);
-    const __m512 scale = per_sixteen<true>(halves);
-    __m512 bias = _mm512_setzero_ps();
-    if (type == kQ8_0) {
-      // Blocks 2a and 2a + 1's 32 values make vector a of the chunk in order.
-      __m512i in[4];
-      for (int a = 0; a < 4; ++a) {
-        const uint8_t* first = block[2 * a] + (block[2 * a] == zeros ? 0 : 2);
-        const uint8_t* second = block[2 * a + 1] + (block[2 * a + 1] == zeros ? 0 : 2);
-        in[a] = load4x16(first, first + 16, second, second + 16);
-      }
-      for (int v = 0; v < 4; ++v) _mm512_storeu_si512(u.q + e + 64 * v, lane_order_vector(in, v));
-    } else {
-      // Lane l of vector v is word v of block l / 2's nibbles: its low nibbles for even l
-      // (the block's weights 0-15), high for odd (16-31).
-      const int64_t at = type == kQ4_0 ? 2 : 4;
-      auto nibbles = [&](int b) { return block[b] == zeros ? zeros : block[b] + at; };
-      const __m512i first = load4x16(nibbles(0), nibbles(1), nibbles(2), nibbles(3));
-      const __m512i second = load4x16(nibbles(4), nibbles(5), nibbles(6), nibbles(7));
-      for (int v = 0; v < 4; ++v) {
-        const __m512i index = _mm512_add_epi32(
-            _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0),
-            _mm512_set1_epi32(v));
-        __m512i words = _mm512_permutex2var_epi32(first, index, second);
-        words = _mm512_mask_srli_epi32(words, 0xAAAA, words, 4);
-        _mm512_storeu_si512(u.q + e + 64 * v, _mm512_and_si512(words, low4));
-      }
-      bias = type == kQ4_0 ? _mm512_mul_ps(scale, _mm512_set1_ps(-8.f)) : per_sixteen<false>(halves);
-    }
-    _mm512_storeu_ps(u.scale + e / 16, scale);
-    _mm512_storeu_ps(u.bias + e / 16, bias);
-  }
-  return true;
-}
-#else
-inline bool unpack_lane_order(int64_t, const uint8_t*, int64_t, const Unpacked&) { return false; }
-#endif
-
 // ---- activations ------------------------------------------------------------------------------
 
 // Rows of x as 8-bit integers in lane order: q (k per row), per sixteen values the scale d of
@@ -190,8 +91,7 @@ struct QuantizedX {
 };
 
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* sum16,
-                  bool lane_order) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* sum16) {
   int8_t* row = q;
   for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
     float amax = 0.f;
@@ -208,10 +108,10 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* sum16,
     sum16[2 * b] = d * static_cast<float>(sums[0]);
     sum16[2 * b + 1] = d * static_cast<float>(sums[1]);
   }
-  if (lane_order) to_lane_order(reinterpret_cast<uint8_t*>(row), padded(k));
+  to_lane_order(reinterpret_cast<uint8_t*>(row), padded(k));
 }
 
-void quantize_x(const at::Tensor& x, QuantizedX& out, bool lane_order) {
+void quantize_x(const at::Tensor& x, QuantizedX& out) {
   const int64_t m = x.size(0), k = x.size(1);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -219,9 +119,9 @@ void quantize_x(const at::Tensor& x, QuantizedX& out, bool lane_order) {
       float* scale = out.scale_row(i);
       float* sum16 = out.sum_row(i);
       if (x.scalar_type() == at::kBFloat16) {
-        quantize_row(x.data_ptr<c10::BFloat16>() + i * k, k, q, scale, sum16, lane_order);
+        quantize_row(x.data_ptr<c10::BFloat16>() + i * k, k, q, scale, sum16);
       } else {
-        quantize_row(x.data_ptr<float>() + i * k, k, q, scale, sum16, lane_order);
+        quantize_row(x.data_ptr<float>() + i * k, k, q, scale, sum16);
       }
     }
   });
@@ -350,30 +250,15 @@ struct RepackedChunks {
 
 // out[r] = sum_e w[e] * x[row0 + r][e] for R rows of x (x as 8-bit values with their scales
 // and sums, w as its unpacked row). kSigned: q is int8 (Q8_0, no bias), else uint8.
-template <int R, bool kSigned, bool kLaneOrder>
+template <int R, bool kSigned>
 inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t row0,
                      float* out) {
-  const int8_t* xq[R];
-  const float* xs[R];
-  const float* xb[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = x.q_row(row0 + r);
-    xs[r] = x.scale_row(row0 + r);
-    xb[r] = x.sum_row(row0 + r);
-  }
-  const int64_t full = kLaneOrder ? padded(k) : 0;
-  int64_t e = 0;
-  float tail[R];
 #ifdef OCTAVO_INT8_512
-  if constexpr (kLaneOrder) {
-    dot_chunks<R, kSigned>(UnpackedChunks{w}, full, x, row0, out);
-    return;
-  }
-  for (int r = 0; r < R; ++r) tail[r] = 0.f;
+  dot_chunks<R, kSigned>(UnpackedChunks{w}, padded(k), x, row0, out);
 #elif defined(OCTAVO_INT8_256)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (; e < full; e += kChunk) {
+  for (int64_t e = 0; e < padded(k); e += kChunk) {
     __m256i wv[4], wu[4];
     for (int v = 0; v < 4; ++v) {
       wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + e + 32 * v));
@@ -381,59 +266,58 @@ inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t 
     }
     const __m256 ws = _mm256_loadu_ps(w.scale + e / 16);
     for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q_row(row0 + r) + e;
       __m256i sum = _mm256_setzero_si256();
       for (int v = 0; v < 4; ++v) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + e + 32 * v));
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v));
         if constexpr (kSigned) xv = _mm256_sign_epi8(xv, wv[v]);
         sum = dot_u8s8(sum, wu[v], xv);
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
-                               _mm256_mul_ps(ws, _mm256_loadu_ps(xs[r] + e / 16)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(sum),
+          _mm256_mul_ps(ws, _mm256_loadu_ps(x.scale_row(row0 + r) + e / 16)), acc[r]);
       if constexpr (!kSigned) {
         acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w.bias + e / 16),
-                                 _mm256_loadu_ps(xb[r] + e / 16), acc[r]);
+                                 _mm256_loadu_ps(x.sum_row(row0 + r) + e / 16), acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) tail[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 #else
-  for (int r = 0; r < R; ++r) tail[r] = 0.f;
-#endif
-  // Without vectors (kLanes == 0): the whole row, in order, a sixteen at a time.
-  for (; e < k; e += 16) {
-    const int64_t sub = e / 16;
-    for (int r = 0; r < R; ++r) {
+  // Without vectors the rows stay in order: a sixteen at a time.
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.q_row(row0 + r);
+    const float* xs = x.scale_row(row0 + r);
+    const float* xb = x.sum_row(row0 + r);
+    float total = 0.f;
+    for (int64_t e = 0; e < k; e += 16) {
       int32_t sum = 0;
       for (int j = 0; j < 16; ++j) {
         const int32_t wq = kSigned ? static_cast<int8_t>(w.q[e + j]) : w.q[e + j];
-        sum += wq * xq[r][e + j];
+        sum += wq * xq[e + j];
       }
-      tail[r] += w.scale[sub] * xs[r][sub] * static_cast<float>(sum);
-      if constexpr (!kSigned) tail[r] += w.bias[sub] * xb[r][sub];
+      total += w.scale[e / 16] * xs[e / 16] * static_cast<float>(sum);
+      if constexpr (!kSigned) total += w.bias[e / 16] * xb[e / 16];
     }
+    out[r] = total;
   }
-  for (int r = 0; r < R; ++r) out[r] = tail[r];
+#endif
 }
 
 // Rows of x per pass over an unpacked weight row: its vectors are loaded once for all of them.
 constexpr int kXRows = 4;
 
-// Whether a call puts weights and x in lane order: always where there are vectors, whatever m,
-// so that a row's result does not depend on how many rows share the call (the engine's batch
-// invariance needs one summation order). Only a build without vectors sums in order.
-inline bool use_lane_order(int64_t) { return kLanes > 0; }
-
-template <bool kSigned, bool kLaneOrder>
+template <bool kSigned>
 void dot_all_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t m, float* out,
                   int64_t out_stride) {
   float result[kXRows];
   for (int64_t i = 0; i < m; i += kXRows) {
     const int64_t rows = std::min<int64_t>(kXRows, m - i);
     switch (rows) {
-      case 4: dot_rows<4, kSigned, kLaneOrder>(w, k, x, i, result); break;
-      case 3: dot_rows<3, kSigned, kLaneOrder>(w, k, x, i, result); break;
-      case 2: dot_rows<2, kSigned, kLaneOrder>(w, k, x, i, result); break;
-      default: dot_rows<1, kSigned, kLaneOrder>(w, k, x, i, result); break;
+      case 4: dot_rows<4, kSigned>(w, k, x, i, result); break;
+      case 3: dot_rows<3, kSigned>(w, k, x, i, result); break;
+      case 2: dot_rows<2, kSigned>(w, k, x, i, result); break;
+      default: dot_rows<1, kSigned>(w, k, x, i, result); break;
     }
     for (int64_t r = 0; r < rows; ++r) out[(i + r) * out_stride] = result[r];
   }
@@ -592,8 +476,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t t
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out;
   QuantizedX qx(m, k);
-  const bool lane_order = use_lane_order(m);
-  quantize_x(x, qx, lane_order);
+  quantize_x(x, qx);
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   const int64_t row_stride = blocks.size(1);
   float* op = out.data_ptr<float>();
@@ -617,24 +500,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t t
     RowBuffers buffers(k);
     const Unpacked w = buffers.view();
     for (int64_t j = begin; j < end; ++j) {
-      if (!lane_order || !unpack_lane_order(type, base + j * row_stride, k, w)) {
-        unpack_row(type, base + j * row_stride, k, w);
-        if (lane_order) {
-          // The last row's permutation left bytes past k; the padding must be zeros again.
-          std::memset(w.q + k, 0, padded(k) - k);
-          to_lane_order(w.q, padded(k));
-        }
-      }
-      if (lane_order) {
-        if (is_signed) {
-          dot_all_rows<true, true>(w, k, qx, m, op + j, n);
-        } else {
-          dot_all_rows<false, true>(w, k, qx, m, op + j, n);
-        }
-      } else if (is_signed) {
-        dot_all_rows<true, false>(w, k, qx, m, op + j, n);
+      unpack_row(type, base + j * row_stride, k, w);
+      // The last row's reordering left bytes past k; the padding must be zeros again.
+      std::memset(w.q + k, 0, padded(k) - k);
+      to_lane_order(w.q, padded(k));
+      if (is_signed) {
+        dot_all_rows<true>(w, k, qx, m, op + j, n);
       } else {
-        dot_all_rows<false, false>(w, k, qx, m, op + j, n);
+        dot_all_rows<false>(w, k, qx, m, op + j, n);
       }
     }
   });
