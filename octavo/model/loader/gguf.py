@@ -156,10 +156,8 @@ def _iter_tensors(
             array = dequantize(raw, tensor.tensor_type).reshape(_torch_shape(tensor))
         except (ValueError, NotImplementedError) as exc:
             raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
-        if permuted and ".self_attn.q_proj." in name:
-            array = _unpermute_rows(array, config.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            array = _unpermute_rows(array, config.num_key_value_heads)
+        if permuted:
+            array = _unpermute_qk(array, name, config)
         # from_numpy shares memory; F32 tensors come straight from the read-only memmap.
         yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
@@ -169,16 +167,24 @@ def _blocks(tensor: Any, name: str, config: ModelConfig, permuted: bool) -> Quan
     whole blocks, so the q/k permutation moves rows of bytes as it moves rows of weights)."""
     shape = _torch_shape(tensor)
     raw = np.asarray(tensor.data).reshape(shape[0], -1)
-    if permuted and ".self_attn.q_proj." in name:
-        raw = _unpermute_rows(raw, config.num_attention_heads)
-    elif permuted and ".self_attn.k_proj." in name:
-        raw = _unpermute_rows(raw, config.num_key_value_heads)
+    if permuted:
+        raw = _unpermute_qk(raw, name, config)
     with warnings.catch_warnings():
         # The map is read-only and so is everything octavo does with blocks; the backend
         # copies them into memory of its own before the file is closed.
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(raw)
     return QuantizedTensor(blocks, GGMLQuantizationType(tensor.tensor_type), shape)
+
+
+def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """`array` (rows first: weights, or rows of blocks) with llama.cpp's permutation undone if
+    `name` is a q or k projection; as it is otherwise."""
+    if ".self_attn.q_proj." in name:
+        return _unpermute_rows(array, config.num_attention_heads)
+    if ".self_attn.k_proj." in name:
+        return _unpermute_rows(array, config.num_key_value_heads)
+    return array
 
 
 def _unpermute_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
