@@ -145,7 +145,11 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         # One cos/sin for all layers: (num_tokens, head_dim) each.
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)
-        if self.fused_decode is not None and attn_plan.metadata.is_all_decode:
+        if (
+            self.fused_decode is not None
+            and attn_plan.metadata.is_all_decode
+            and self.fused_decode.runs(input_ids.shape[0])
+        ):
             hidden_states, residual = self.fused_decode(
                 hidden_states, cos, sin, kv_caches, attn_plan
             )

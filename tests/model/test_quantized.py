@@ -291,6 +291,39 @@ def test_q4_k_m_like_mix_with_quantized_embeddings(tmp_path, monkeypatch):
     assert (got - expected).abs().mean().item() < 0.06 * expected.std().item()
 
 
+@kernels
+def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(
+    tmp_path, monkeypatch
+):
+    """All-decode steps of a block-weight model run each layer as one ops.decode_layer call
+    (projections of one or two block types, repacked or not), with the same logits bit for bit
+    as the layers' own forward; a step of more rows than a block weight's max_rows (where
+    torch's GEMM takes over) runs the layers' own forward."""
+    types = {}
+    for i in range(2):
+        for name, qtype in zip(LINEAR, (Q.Q4_K, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)):
+            types[f"blk.{i}.{name}.weight"] = qtype
+    tiny_quantized_gguf(tmp_path / "m.gguf", "llama", types, seed=6)
+    model, backend = load(tmp_path / "m.gguf", max_rows=2)
+    assert backend.fused_decode_layer == "on"
+    assert model.model.layers[0].self_attn.qkv_proj.weight_format.name == "Q4_K+Q8_0"
+    assert model.model.fused_decode.max_rows == 2
+    calls = []
+    decode_layer = ops.decode_layer
+    monkeypatch.setattr(ops, "decode_layer", lambda *a: calls.append(1) or decode_layer(*a))
+    prompts = {"a": TOKENS[:5], "b": TOKENS[3:9], "c": TOKENS[1:4]}
+    steps = [prompts]
+    steps += [{"a": [3 + step], "b": [7 + step]} for step in range(3)]  # fused: 2 rows
+    steps += [{r: [11 + i] for i, r in enumerate(prompts)}]  # 3 rows: not fused
+    fused, plain = PagedHarness(model, backend, seed=3), PagedHarness(model, backend, seed=3)
+    fused_logits = [fused.step(scheduled) for scheduled in steps]
+    assert len(calls) == 3 * model.config.num_hidden_layers
+    model.model.fused_decode = None
+    for scheduled, expected in zip(steps, fused_logits, strict=True):
+        out = plain.step(scheduled)
+        assert all(torch.equal(out[r], expected[r]) for r in scheduled)
+
+
 def test_start_up_line_states_weight_bytes_by_type():
     from octavo.config import weights_line
 
@@ -421,7 +454,9 @@ def test_hf_quantized_checkpoint_is_named_in_the_error(tmp_path):
 
 
 @kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [*LEGACY, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name
+)
 def test_repacked_layout_holds_the_same_weights(qtype):
     """Where the kernels repack a type (AVX-512 builds), the repacked bytes dequantize to the
     original blocks' weights exactly and multiply bit for bit as they do (the same lane-order

@@ -90,11 +90,6 @@ class ModelBackend:
             return f"compute dtype {str(self.dtype).removeprefix('torch.')} (float32 only)"
         if self.attention.name != "cpu_paged":
             return f"attention backend {self.attention.name}"
-        if any(
-            isinstance(getattr(m, "weight_format", None), (QuantizedWeight, ConcatWeight))
-            for m in model.modules()
-        ):
-            return "weights in GGML block types"
         return fused.incompatibility(model)
 
     def prepare_weights(self, model: nn.Module) -> dict[str, Any]:

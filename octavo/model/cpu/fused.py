@@ -16,15 +16,25 @@ from torch import Tensor, nn
 
 from octavo.model.arch import get_spec
 from octavo.model.cpu import ops
+from octavo.model.formats.base import ConcatWeight, LinearWeight
 from octavo.model.formats.packed import PackedWeight
+from octavo.model.formats.quantized import QuantizedWeight
 
 
 class FusedDecodeLayers:
     """The bound kernel arguments of every layer of one model; called by the model's forward
     for an all-decode step of the CPU paged attention backend."""
 
-    def __init__(self, layer_args: list[tuple]) -> None:
+    def __init__(self, layer_args: list[tuple], max_rows: int | None) -> None:
         self.layer_args = layer_args
+        # Rows up to which a step runs fused: the least max_rows of the block weights (above
+        # it they are multiplied by torch's GEMM, which only the layers' own forward does);
+        # None: any number (packed weights only).
+        self.max_rows = max_rows
+
+    def runs(self, num_tokens: int) -> bool:
+        """Whether an all-decode step of num_tokens rows runs fused."""
+        return self.max_rows is None or num_tokens <= self.max_rows
 
     def __call__(
         self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor], plan
@@ -54,7 +64,7 @@ class FusedDecodeLayers:
 def incompatibility(model: nn.Module) -> str | None:
     """Why the fused layer cannot run this loaded model, or None if it can: the architecture
     opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
-    one eps per layer, and every projection in the packed format."""
+    one eps per layer, and every projection packed or in block kernel parts (kernel_parts)."""
     from octavo.model.llama import LlamaDecoderLayer
 
     config = model.config
@@ -74,8 +84,27 @@ def incompatibility(model: nn.Module) -> str | None:
         if norms[0].eps != norms[1].eps:
             return "the layer's two norms differ in eps"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear.weight_format, PackedWeight):
+            if kernel_parts(linear.weight_format) is None:
                 return f"a projection's weight format is {linear.weight_format.name}"
+    return None
+
+
+def kernel_parts(fmt: LinearWeight) -> list[tuple[Tensor, int, int, int | None]] | None:
+    """A projection's weight as the kernel's parts: (weight, kind, rows, max_rows) each, kind
+    -1 for packed panels (max_rows None: the kernel takes any batch) or the block type id the
+    block kernel reads; None where a part is neither (a float part, or blocks without the
+    kernels)."""
+    if isinstance(fmt, PackedWeight):
+        return [(fmt.packed, -1, fmt.weight.shape[0], None)]
+    if isinstance(fmt, QuantizedWeight):
+        if not fmt.kernels:
+            return None
+        return [(fmt.tensor.blocks, fmt.kernel_type, fmt.shape[0], fmt.max_rows)]
+    if isinstance(fmt, ConcatWeight):
+        parts = [kernel_parts(part) for part in fmt.parts]
+        if any(p is None or p[0][1] < 0 for p in parts):
+            return None
+        return [p[0] for p in parts]
     return None
 
 
@@ -83,27 +112,28 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
     """The kernel arguments of every layer (weights are fixed once loaded). Call only when
     incompatibility(model) is None."""
     layer_args = []
+    limits = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [kernel_parts(linear.weight_format) for linear in projections]
+        flat = [part for projection in parts for part in projection]
+        limits += [part[3] for part in flat if part[3] is not None]
         layer_args.append(
             (
                 norms[0].weight,
                 norms[1].weight,
                 norms[0].eps,
-                attn.qkv_proj.weight_format.packed,
-                attn.qkv_proj.bias,
-                attn.o_proj.weight_format.packed,
-                attn.o_proj.bias,
-                mlp.gate_up_proj.weight_format.packed,
-                mlp.gate_up_proj.bias,
-                mlp.down_proj.weight_format.packed,
-                mlp.down_proj.bias,
+                [part[0] for part in flat],
+                [part[1] for part in flat],
+                [part[2] for part in flat],
+                [len(projection) for projection in parts],
+                *(linear.bias for linear in projections),
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,
-                mlp.down_proj.in_features,
                 attn.attn.scale,
             )
         )
-    return FusedDecodeLayers(layer_args)
+    return FusedDecodeLayers(layer_args, min(limits) if limits else None)

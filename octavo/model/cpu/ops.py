@@ -81,8 +81,8 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
 
 
 def quant_repacked_type(qtype: int) -> int:
-    """The id of the kernels' repacked layout of GGML type `qtype` in this build (Q4_0, Q4_1
-    and Q8_0 with AVX-512), or `qtype` itself where there is none."""
+    """The id of the kernels' repacked layout of GGML type `qtype` in this build (every
+    type but Q2_K and Q3_K, with AVX-512), or `qtype` itself where there is none."""
     return torch.ops.octavo.quant_repacked_type(int(qtype))
 
 
@@ -154,9 +154,10 @@ def decode_layer(
     the kernels above in the order the model's Python layer makes them (same results).
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
-    and sizes, (input_norm, post_norm, eps, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
-    down, down_bias, num_heads, num_kv_heads, head_dim, intermediate_size, scale) with packed
-    weights and optional biases (fused.py builds them); cos, sin: (num_tokens, head_dim)
+    and sizes, (input_norm, post_norm, eps, weights, kinds, rows, parts, qkv_bias, o_bias,
+    gate_up_bias, down_bias, num_heads, num_kv_heads, head_dim, scale): the four projections'
+    weights as parts (packed, or GGML blocks with their type id; decode_layer.cpp) and
+    optional biases (fused.py builds them); cos, sin: (num_tokens, head_dim)
     float32; the last three as for paged_decode_attention, slot_mapping as for write_kv_cache.
     Returns the layer's output."""
     return torch.ops.octavo.decode_layer(

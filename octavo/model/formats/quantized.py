@@ -7,7 +7,7 @@ products), reading each byte once; above it (prompt chunks, where the arithmetic
 the weight is dequantized to the compute dtype for the call and multiplied by torch's GEMM.
 Without the kernels (another device, or the kernels off) every call takes that second path
 with the plain-torch dequantization, which is the reference the kernels are tested against.
-Where the kernels have a repacked layout of the type (Q4_0, Q4_1, Q8_0 with AVX-512), the
+Where the kernels have a repacked layout of the type (all but Q2_K and Q3_K, with AVX-512), the
 blocks are held in it (`kernel_type`: the same bytes rearranged, which only the kernels read).
 """
 

@@ -1,5 +1,7 @@
 // A whole Llama-style decoder layer for decode rows, as one call of the other kernels.
 
+#include <ATen/ATen.h>
+
 #include "ops.h"
 
 namespace octavo {
@@ -13,29 +15,41 @@ namespace octavo {
 //   x <- paged_attention(q) @ Wo^T + b
 //   residual <- x + residual; x <- post_norm(residual)
 //   returns down(silu(gate(x)) * up(x))
-// Packed weights are from pack_linear_weight; the Python wrapper checks the rest.
+// The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
+// each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
+// pack_linear_weight (packed_linear), else the GGML block type id, repacked or not, of blocks
+// (quant_linear), as the Python weight formats multiply them. The Python wrapper checks the rest.
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
-                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                        const at::Tensor& post_norm, double eps, at::TensorList weights,
+                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef parts,
+                        const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
-                        const at::Tensor& gate_up_weight,
                         const c10::optional<at::Tensor>& gate_up_bias,
-                        const at::Tensor& down_weight, const c10::optional<at::Tensor>& down_bias,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t intermediate_size, double scale, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor kv_cache,
+                        const c10::optional<at::Tensor>& down_bias, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, double scale,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_table,
                         const at::Tensor& seq_lens) {
-  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t num_tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  auto linear = [](const at::Tensor& x, const at::Tensor& weight,
-                   const c10::optional<at::Tensor>& bias, int64_t n) {
-    at::Tensor out = packed_linear(x, weight, n);
+  TORCH_CHECK(parts.size() == 4, "decode_layer: parts of four projections");
+  int64_t first[5] = {0};
+  for (int p = 0; p < 4; ++p) first[p + 1] = first[p] + parts[p];
+  TORCH_CHECK(first[4] == static_cast<int64_t>(weights.size()) &&
+                  kinds.size() == weights.size() && rows.size() == weights.size(),
+              "decode_layer: one kind and row count per weight part");
+  auto linear = [&](const at::Tensor& x, int projection, const c10::optional<at::Tensor>& bias) {
+    std::vector<at::Tensor> outs;
+    for (int64_t i = first[projection]; i < first[projection + 1]; ++i) {
+      outs.push_back(kinds[i] < 0 ? packed_linear(x, weights[i], rows[i])
+                                  : quant_linear(x, weights[i], kinds[i], rows[i]));
+    }
+    at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
     if (bias.has_value()) out.add_(*bias);
     return out;
   };
   rms_norm(hidden, residual, input_norm, eps, true);
-  at::Tensor qkv = linear(hidden, qkv_weight, qkv_bias, q_size + 2 * kv_size);
+  at::Tensor qkv = linear(hidden, 0, qkv_bias);
   rotary(qkv.narrow(1, 0, q_size + kv_size).view({num_tokens, num_heads + num_kv_heads, head_dim}),
          cos, sin);
   const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
@@ -47,10 +61,10 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
                                                  kv_cache.select(0, 1), block_table, seq_lens,
                                                  scale);
-  at::Tensor x = linear(attn.view({num_tokens, q_size}), o_weight, o_bias, hidden_size);
+  at::Tensor x = linear(attn.view({num_tokens, q_size}), 1, o_bias);
   rms_norm(x, residual, post_norm, eps, true);
-  const at::Tensor gate_up = linear(x, gate_up_weight, gate_up_bias, 2 * intermediate_size);
-  return linear(silu_and_mul(gate_up), down_weight, down_bias, hidden_size);
+  const at::Tensor gate_up = linear(x, 2, gate_up_bias);
+  return linear(silu_and_mul(gate_up), 3, down_bias);
 }
 
 }  // namespace octavo

@@ -44,17 +44,16 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 
 // decode_layer.cpp
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
-                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                        const at::Tensor& post_norm, double eps, at::TensorList weights,
+                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef parts,
+                        const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
-                        const at::Tensor& gate_up_weight,
                         const c10::optional<at::Tensor>& gate_up_bias,
-                        const at::Tensor& down_weight, const c10::optional<at::Tensor>& down_bias,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t intermediate_size, double scale, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor kv_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                        const at::Tensor& seq_lens);
+                        const c10::optional<at::Tensor>& down_bias, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, double scale,
+                        const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_table, const at::Tensor& seq_lens);
 
 // sampling.cpp
 at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform);

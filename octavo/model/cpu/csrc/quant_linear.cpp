@@ -203,17 +203,36 @@ inline void dot_chunks(const Chunks& chunks, int64_t kp, const QuantizedX& x, in
 
 // ---- repacked rows ----------------------------------------------------------------------------
 //
-// Q4_0, Q4_1 and Q8_0 weights can be repacked when the model is loaded (quant_repack) so that
-// a chunk's lane-order vectors come out of one or two 64-byte loads and a mask, in registers,
-// with no unpacking through memory: a decode step then streams each weight byte once and does
-// little else. Same bytes as the blocks: a chunk of p blocks (8, fewer in a row's last) is
-//   Q4_0 / Q4_1: L0 (8p bytes) L1 (8p) d (2p) [m (2p)], L0 = V0 | V1 << 4, L1 = V2 | V3 << 4
-//   Q8_0:        V0 V1 V2 V3 (8p bytes each) d (2p)
-// with Vv the chunk's lane-order vector v (lanes 0..2p-1; the rest, past the row, are zero)
-// and d, m the blocks' float16 scale and minimum. Type ids: the GGML id | kRepacked.
+// Where a type has a repacked layout (quant_repack, at load), a chunk's lane-order vectors come
+// out of a few 64-byte loads, shifts and masks, in registers, with no unpacking through memory:
+// a decode step then streams each weight byte once and does little else. Same bytes as the
+// blocks. A chunk is 8 blocks of a 32-weight type (p <= 8 in a row's last) or one K-quant
+// super-block (p = 8), and with Vv its lane-order vector v (lanes 0..2p-1, 8p bytes; the rest,
+// past the row, zero) and n = 8p:
+//   Q8_0:             V0 V1 V2 V3 (n bytes each) d (2p)
+//   Q4_0, Q5_0:       L0 L1 [H] d (2p)               L0 = V0 | V1 << 4, L1 = V2 | V3 << 4
+//   Q4_1, Q5_1:       L0 L1 [H] d (2p) m (2p)        (the low nibbles of the 5-bit types)
+//   Q4_K, Q5_K:       L0 L1 [H] S (12) d dmin (2 each)
+//   Q6_K:             L0 L1 H6 (64) scales (16, int8) d (2)
+// H (5-bit types): four masks of n bits, mask v bit i = the fifth bit of byte i of Vv; H6: byte
+// i holds bits 4-5 of byte i of Vv at bits 2v..2v+1; S: byte j = the low nibbles of sub-block
+// j's 6-bit scale | its minimum's << 4, then two 16-bit words of their high two bits (bits 2j..
+// 2j+1; scales, then minimums). d, m, dmin: float16. Type ids: the GGML id | kRepacked.
 constexpr int64_t kRepacked = 0x100;
 
-inline bool repackable(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+inline bool repackable(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline bool five_bit(int64_t type) { return type == kQ5_0 || type == kQ5_1 || type == kQ5_K; }
+
+// Blocks of the type per repacked chunk.
+inline int64_t chunk_blocks(int64_t type) { return type >= kQ2_K ? 1 : 8; }
 
 #ifdef OCTAVO_INT8_512
 struct RepackedChunks {
@@ -221,32 +240,147 @@ struct RepackedChunks {
   const uint8_t* row;
   int64_t num_blocks;
   void operator()(int64_t e, __m512i* wv, __m512& ws, __m512& wb) const {
-    const int64_t first = e / 32, p = std::min<int64_t>(8, num_blocks - first);
+    const int64_t first = e / block_weights(type);
+    const int64_t p = type >= kQ2_K ? 8 : std::min<int64_t>(8, num_blocks - first), n = 8 * p;
     const uint8_t* c = row + first * block_bytes(type);
-    const __mmask64 bytes = p == 8 ? ~__mmask64(0) : (__mmask64(1) << (8 * p)) - 1;
+    const __mmask64 bytes = p == 8 ? ~__mmask64(0) : (__mmask64(1) << n) - 1;
     const __mmask8 halves = static_cast<__mmask8>((1u << p) - 1);
     const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    auto scales = [&](const uint8_t* at) {
+    // The float16 values of the chunk's blocks, each for its two sixteens.
+    auto per_block = [&](const uint8_t* at) {
       const __m256 eight = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, at));
       return _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(eight));
     };
     if (type == kQ8_0) {
-      for (int v = 0; v < 4; ++v) wv[v] = _mm512_maskz_loadu_epi8(bytes, c + 8 * p * v);
-      ws = scales(c + 32 * p);
+      for (int v = 0; v < 4; ++v) wv[v] = _mm512_maskz_loadu_epi8(bytes, c + n * v);
+      ws = per_block(c + 4 * n);
       wb = _mm512_setzero_ps();
       return;
     }
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int a = 0; a < 2; ++a) {
-      const __m512i both = _mm512_maskz_loadu_epi8(bytes, c + 8 * p * a);
+      const __m512i both = _mm512_maskz_loadu_epi8(bytes, c + n * a);
       wv[2 * a] = _mm512_and_si512(both, low4);
       wv[2 * a + 1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low4);
     }
-    ws = scales(c + 16 * p);
-    wb = type == kQ4_0 ? _mm512_mul_ps(ws, _mm512_set1_ps(-8.f)) : scales(c + 18 * p);
+    const uint8_t* s = c + 2 * n;  // what follows the nibbles
+    if (five_bit(type)) {
+      const __m512i sixteen = _mm512_set1_epi8(0x10);
+      const __mmask16 mask_bytes = static_cast<__mmask16>((1u << p) - 1);
+      for (int v = 0; v < 4; ++v, s += p) {
+        const uint64_t mask = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(mask_bytes, s)));
+        wv[v] = _mm512_mask_add_epi8(wv[v], mask, wv[v], sixteen);  // nibble + 16 = nibble | 16
+      }
+    } else if (type == kQ6_K) {
+      const __m512i high = _mm512_loadu_si512(s);
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      wv[0] = _mm512_or_si512(wv[0], _mm512_and_si512(_mm512_slli_epi16(high, 4), bits45));
+      wv[1] = _mm512_or_si512(wv[1], _mm512_and_si512(_mm512_slli_epi16(high, 2), bits45));
+      wv[2] = _mm512_or_si512(wv[2], _mm512_and_si512(high, bits45));
+      wv[3] = _mm512_or_si512(wv[3], _mm512_and_si512(_mm512_srli_epi16(high, 2), bits45));
+      s += 64;
+    }
+    switch (type) {
+      case kQ4_0:
+      case kQ5_0:
+        ws = per_block(s);
+        wb = _mm512_mul_ps(ws, _mm512_set1_ps(type == kQ4_0 ? -8.f : -16.f));
+        break;
+      case kQ4_1:
+      case kQ5_1:
+        ws = per_block(s);
+        wb = per_block(s + 2 * p);
+        break;
+      case kQ6_K: {
+        const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+        ws = _mm512_mul_ps(_mm512_set1_ps(load_half(s + 16)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
+        wb = _mm512_mul_ps(ws, _mm512_set1_ps(-32.f));
+        break;
+      }
+      default: {  // Q4_K, Q5_K: lane l is sub-block l / 2 of 32 weights
+        const __m128i low = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+        const __m512i both = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, low));
+        uint32_t high;
+        std::memcpy(&high, s + 8, 4);
+        const __m512i shift = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+        const __m512i h = _mm512_set1_epi32(static_cast<int>(high)), three = _mm512_set1_epi32(3);
+        const __m512i f = _mm512_set1_epi32(0xF);
+        const __m512i scale = _mm512_or_si512(
+            _mm512_and_si512(both, f),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, shift), three), 4));
+        const __m512i min = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32(both, 4), f),
+            _mm512_slli_epi32(
+                _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_add_epi32(shift, _mm512_set1_epi32(16))), three), 4));
+        ws = _mm512_mul_ps(_mm512_set1_ps(load_half(s + 12)), _mm512_cvtepi32_ps(scale));
+        wb = _mm512_mul_ps(_mm512_set1_ps(-load_half(s + 14)), _mm512_cvtepi32_ps(min));
+        break;
+      }
+    }
   }
 };
 #endif
+
+// One chunk of a row in the repacked layout (see above): `lanes` its weights unpacked in lane
+// order (vectors 64 bytes apart), `blocks` its p blocks as the file has them.
+void repack_chunk(int64_t type, const uint8_t* lanes, const uint8_t* blocks, int64_t p, uint8_t* c) {
+  const int64_t n = 8 * p, bytes = block_bytes(type);
+  if (type == kQ8_0) {
+    for (int v = 0; v < 4; ++v) std::memcpy(c + n * v, lanes + 64 * v, n);
+    for (int b = 0; b < p; ++b) std::memcpy(c + 4 * n + 2 * b, blocks + b * bytes, 2);
+    return;
+  }
+  for (int a = 0; a < 2; ++a) {
+    for (int64_t i = 0; i < n; ++i) {
+      c[n * a + i] = static_cast<uint8_t>((lanes[128 * a + i] & 0xF) | ((lanes[128 * a + 64 + i] & 0xF) << 4));
+    }
+  }
+  uint8_t* s = c + 2 * n;
+  if (five_bit(type)) {
+    for (int v = 0; v < 4; ++v, s += p) {
+      uint64_t mask = 0;
+      for (int64_t i = 0; i < n; ++i) mask |= static_cast<uint64_t>((lanes[64 * v + i] >> 4) & 1) << i;
+      std::memcpy(s, &mask, p);
+    }
+  } else if (type == kQ6_K) {
+    for (int i = 0; i < 64; ++i) {
+      int high = 0;
+      for (int v = 0; v < 4; ++v) high |= ((lanes[64 * v + i] >> 4) & 3) << (2 * v);
+      s[i] = static_cast<uint8_t>(high);
+    }
+    s += 64;
+  }
+  switch (type) {
+    case kQ4_0:
+    case kQ5_0:
+      for (int b = 0; b < p; ++b) std::memcpy(s + 2 * b, blocks + b * bytes, 2);
+      break;
+    case kQ4_1:
+    case kQ5_1:
+      for (int b = 0; b < p; ++b) {
+        std::memcpy(s + 2 * b, blocks + b * bytes, 2);
+        std::memcpy(s + 2 * p + 2 * b, blocks + b * bytes + 2, 2);
+      }
+      break;
+    case kQ6_K:
+      std::memcpy(s, blocks + 192, 18);  // the int8 scales, then d
+      break;
+    default: {  // Q4_K, Q5_K
+      uint16_t high[2] = {0, 0};
+      for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        scale_min_k4(blocks + 4, j, scale, min);
+        s[j] = static_cast<uint8_t>((scale & 0xF) | ((min & 0xF) << 4));
+        high[0] |= static_cast<uint16_t>((scale >> 4) << (2 * j));
+        high[1] |= static_cast<uint16_t>((min >> 4) << (2 * j));
+      }
+      std::memcpy(s + 8, high, 4);
+      std::memcpy(s + 12, blocks, 4);  // d, dmin
+      break;
+    }
+  }
+}
 
 // out[r] = sum_e w[e] * x[row0 + r][e] for R rows of x (x as 8-bit values with their scales
 // and sums, w as its unpacked row). kSigned: q is int8 (Q8_0, no bias), else uint8.
@@ -390,7 +524,7 @@ void store_bf16(const float* src, int64_t k, c10::BFloat16* dst) {
 #ifdef OCTAVO_INT8_512
 // A repacked row, unpacked in order (what unpack_row gives for the original blocks).
 void unpack_repacked_row(int64_t type, const uint8_t* row, int64_t k, const Unpacked& u) {
-  const RepackedChunks chunks{type, row, k / 32};
+  const RepackedChunks chunks{type, row, k / block_weights(type)};
   alignas(64) uint8_t lanes[kChunk];
   alignas(64) float scale[16], bias[16];
   for (int64_t e = 0; e < k; e += kChunk) {
@@ -436,7 +570,7 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k) {
   at::Tensor out = at::empty_like(blocks);
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t bytes = block_bytes(type), num_blocks = k / 32;
+  const int64_t bytes = block_bytes(type), num_blocks = k / block_weights(type);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     RowBuffers buffers(k);
     const Unpacked w = buffers.view();
@@ -446,25 +580,10 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k) {
       unpack_row(type, row, k, w);
       std::memset(w.q + k, 0, padded(k) - k);
       to_lane_order(w.q, padded(k));
-      for (int64_t first = 0; first < num_blocks; first += 8) {
-        const int64_t p = std::min<int64_t>(8, num_blocks - first);
-        const uint8_t* lanes = w.q + first * 32;  // the chunk in lane order
-        const uint8_t* blocks_in = row + first * bytes;
-        uint8_t* c = packed + first * bytes;
-        if (type == kQ8_0) {
-          for (int v = 0; v < 4; ++v) std::memcpy(c + 8 * p * v, lanes + 64 * v, 8 * p);
-          for (int b = 0; b < p; ++b) std::memcpy(c + 32 * p + 2 * b, blocks_in + b * bytes, 2);
-          continue;
-        }
-        for (int a = 0; a < 2; ++a) {
-          for (int64_t j = 0; j < 8 * p; ++j) {
-            c[8 * p * a + j] = static_cast<uint8_t>(lanes[128 * a + j] | (lanes[128 * a + 64 + j] << 4));
-          }
-        }
-        for (int b = 0; b < p; ++b) {
-          std::memcpy(c + 16 * p + 2 * b, blocks_in + b * bytes, 2);
-          if (type == kQ4_1) std::memcpy(c + 18 * p + 2 * b, blocks_in + b * bytes + 2, 2);
-        }
+      for (int64_t first = 0; first < num_blocks; first += chunk_blocks(type)) {
+        const int64_t p = type >= kQ2_K ? 8 : std::min<int64_t>(8, num_blocks - first);
+        repack_chunk(type, w.q + first * block_weights(type), row + first * bytes, p,
+                     packed + first * bytes);
       }
     }
   });
@@ -485,7 +604,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t t
   if (type & kRepacked) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
-        const RepackedChunks chunks{type & ~kRepacked, base + j * row_stride, k / 32};
+        const RepackedChunks chunks{type & ~kRepacked, base + j * row_stride, k / block_weights(type & ~kRepacked)};
         if (is_signed) {
           dot_all_chunks<true>(chunks, k, qx, m, op + j, n);
         } else {

@@ -69,10 +69,9 @@ TORCH_LIBRARY(octavo, m) {
       " -> ()");
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
-      "Tensor post_norm, float eps, Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, "
-      "Tensor? o_bias, Tensor gate_up_weight, Tensor? gate_up_bias, Tensor down_weight, "
-      "Tensor? down_bias, int num_heads, int num_kv_heads, int head_dim, "
-      "int intermediate_size, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
+      "Tensor post_norm, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
+      "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
+      "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
 }
 
