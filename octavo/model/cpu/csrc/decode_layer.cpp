@@ -1,7 +1,5 @@
 // A whole Llama-style decoder layer for decode rows, as one call of the other kernels.
 
-#include <ATen/ATen.h>
-
 #include "ops.h"
 
 namespace octavo {
@@ -17,8 +15,9 @@ namespace octavo {
 //   returns down(silu(gate(x)) * up(x))
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
-// pack_linear_weight (packed_linear), else the GGML block type id, repacked or not, of blocks
-// (quant_linear), as the Python weight formats multiply them. The Python wrapper checks the rest.
+// pack_linear_weight (packed_linear, one part), else the GGML block type id, repacked or not, of
+// blocks (quant_linear_parts), as the Python weight formats multiply them. The Python wrapper
+// checks the rest.
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
                         at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef parts,
@@ -39,12 +38,12 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                   kinds.size() == weights.size() && rows.size() == weights.size(),
               "decode_layer: one kind and row count per weight part");
   auto linear = [&](const at::Tensor& x, int projection, const c10::optional<at::Tensor>& bias) {
-    std::vector<at::Tensor> outs;
-    for (int64_t i = first[projection]; i < first[projection + 1]; ++i) {
-      outs.push_back(kinds[i] < 0 ? packed_linear(x, weights[i], rows[i])
-                                  : quant_linear(x, weights[i], kinds[i], rows[i]));
-    }
-    at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+    const int64_t begin = first[projection], count = parts[projection];
+    // Packed weights are one part; block weights of one or more types one call.
+    at::Tensor out = kinds[begin] < 0
+                         ? packed_linear(x, weights[begin], rows[begin])
+                         : quant_linear_parts(x, weights.slice(begin, count),
+                                              kinds.slice(begin, count), rows.slice(begin, count));
     if (bias.has_value()) out.add_(*bias);
     return out;
   };

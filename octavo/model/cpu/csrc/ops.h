@@ -28,6 +28,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 int64_t packed_panel();
 
 // quant_linear.cpp
+// quant_linear over several weights of one x, their outputs side by side (parts of one
+// projection; quantizes x once).
+at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
+                              at::IntArrayRef rows);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n);
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
                             at::ScalarType dtype);

@@ -15,6 +15,8 @@
 // Rounding: every product is exact; what differs from float compute is x's rounding to 8 bits
 // (a relative error of at most 1/254 of each block's largest value) and float32 summation.
 
+#include <optional>
+
 #include "ops.h"
 #include "quant_blocks.h"
 #include "simd.h"
@@ -590,36 +592,46 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k) {
   return out;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n) {
+at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
+                              at::IntArrayRef rows) {
   const int64_t m = x.size(0), k = x.size(1);
+  std::vector<int64_t> first(blocks.size() + 1, 0);  // each part's first output column
+  std::vector<const uint8_t*> bases(blocks.size());
+  bool unpacks = false;  // whether some part is unpacked through memory (not repacked)
+  for (size_t p = 0; p < blocks.size(); ++p) {
+    first[p + 1] = first[p] + rows[p];
+    bases[p] = blocks[p].data_ptr<uint8_t>();
+    unpacks = unpacks || !(types[p] & kRepacked);
+  }
+  const int64_t n = first.back();
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out;
   QuantizedX qx(m, k);
   quantize_x(x, qx);
-  const uint8_t* base = blocks.data_ptr<uint8_t>();
-  const int64_t row_stride = blocks.size(1);
   float* op = out.data_ptr<float>();
-  const bool is_signed = (type & ~kRepacked) == kQ8_0;
+  // One parallel pass over every part's rows (x is quantized once for all of them).
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::optional<RowBuffers> buffers;
+    if (unpacks) buffers.emplace(k);
+    size_t p = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      while (j >= first[p + 1]) ++p;
+      const int64_t type = types[p], base_type = type & ~kRepacked;
+      const uint8_t* row = bases[p] + (j - first[p]) * blocks[p].stride(0);
+      const bool is_signed = base_type == kQ8_0;
 #ifdef OCTAVO_INT8_512
-  if (type & kRepacked) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        const RepackedChunks chunks{type & ~kRepacked, base + j * row_stride, k / block_weights(type & ~kRepacked)};
+      if (type & kRepacked) {
+        const RepackedChunks chunks{base_type, row, k / block_weights(base_type)};
         if (is_signed) {
           dot_all_chunks<true>(chunks, k, qx, m, op + j, n);
         } else {
           dot_all_chunks<false>(chunks, k, qx, m, op + j, n);
         }
+        continue;
       }
-    });
-    return out;
-  }
 #endif
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    RowBuffers buffers(k);
-    const Unpacked w = buffers.view();
-    for (int64_t j = begin; j < end; ++j) {
-      unpack_row(type, base + j * row_stride, k, w);
+      const Unpacked w = buffers->view();
+      unpack_row(type, row, k, w);
       // The last row's reordering left bytes past k; the padding must be zeros again.
       std::memset(w.q + k, 0, padded(k) - k);
       to_lane_order(w.q, padded(k));
@@ -631,6 +643,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t t
     }
   });
   return out;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n) {
+  return quant_linear_parts(x, {blocks}, {type}, {n});
 }
 
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
