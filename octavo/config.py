@@ -28,9 +28,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The attention backends select_backend knows (model/backends/select.py).
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 # --quantization: "gguf" (vLLM's name) keeps a GGUF file's block types, as without the flag;
-# a block type quantizes a float checkpoint's matrices to it at load (formats.ggml's
-# QUANTIZABLE_TYPES).
-QUANTIZATIONS = ("gguf", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+# a block type or a mix of them (llama-quantize's q4_k_m, q5_k_m) quantizes a float
+# checkpoint's matrices at load (model/loader/quantization.py's PLANS).
+QUANTIZATIONS = (
+    "gguf",
+    *("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q4_k_m", "q5_k_m"),
+)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
@@ -189,8 +192,9 @@ class EngineArgs:
     )
     quantization: str | None = setting(
         None,
-        "weights in a GGML block type: gguf keeps a GGUF file's own (the default for one); "
-        "q8_0, q5_1, q5_0, q4_1, q4_0 quantize a float checkpoint's matrices at load",
+        "weights in GGML block types: gguf keeps a GGUF file's own (the default for one); a "
+        "type (q8_0 ... q4_0, q6_k, q5_k, q4_k) or llama-quantize's mix q4_k_m / q5_k_m "
+        "quantizes a float checkpoint's matrices at load",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = setting(

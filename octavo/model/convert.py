@@ -33,9 +33,11 @@ from torch import Tensor
 
 from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
-from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor
+from octavo.model.formats.ggml import QuantizedTensor
+from octavo.model.formats.ggml import quantize as quantize_matrix
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import open_gguf_checkpoint
+from octavo.model.loader.quantization import PLANS, QuantizationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +46,26 @@ FORMATS = ("hf", "gguf")
 
 # generation_config.json key for each SamplingParams default (ModelConfig keeps vLLM's names).
 _GENERATION_KEYS = {"max_tokens": "max_new_tokens"}
-# dtype -> (GGUF tensor type, GGUF file type) for --format gguf; the block types quantize every
-# matrix whose rows are whole blocks (gguf's quantizers, llama.cpp's reference rounding).
+# dtype -> (GGUF tensor type, GGUF file type) for --format gguf; a block type or a mix quantizes
+# the matrices by its plan (loader/quantization.py; None here: the plan's types).
 _GGUF_TYPES = {
     "bfloat16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
     "float16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "float32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
-    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q5_1": (GGMLQuantizationType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
-    "q5_0": (GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
-    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
-    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q8_0": (None, LlamaFileType.MOSTLY_Q8_0),
+    "q6_k": (None, LlamaFileType.MOSTLY_Q6_K),
+    "q5_k": (None, LlamaFileType.MOSTLY_Q5_K_S),
+    "q5_1": (None, LlamaFileType.MOSTLY_Q5_1),
+    "q5_0": (None, LlamaFileType.MOSTLY_Q5_0),
+    "q4_k": (None, LlamaFileType.MOSTLY_Q4_K_S),
+    "q4_1": (None, LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": (None, LlamaFileType.MOSTLY_Q4_0),
+    "q4_k_m": (None, LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k_m": (None, LlamaFileType.MOSTLY_Q5_K_M),
 }
 # --outtype (llama.cpp's converter's spelling) -> the GGUF type key above.
 OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"} | {
-    name: name for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+    name: name for name in PLANS
 }
 
 
@@ -218,22 +225,31 @@ def write_float_gguf(source: Path, target: Path, dtype: str) -> Path:
     key): metadata (the tokenizer included), names and llama.cpp's layout are kept. 1-D tensors
     (norms, biases) are stored as F32, as llama.cpp's own converter leaves them, but hold
     `dtype`'s values. Rounding to bf16/f16 is round-to-nearest-even, the same as torch's cast,
-    so this file and the HF folder of the same dtype hold identical numbers. For a block type,
-    every matrix whose rows are whole blocks is quantized to it (the rest stay F32) and 1-D
-    tensors are F32."""
+    so this file and the HF folder of the same dtype hold identical numbers. For a block type
+    or a mix, each matrix is quantized to the type its plan gives it (loader/quantization.py)
+    and every other tensor is exact F32."""
     reader = GGUFReader(source)
     arch = reader.get_field("general.architecture").contents()
     writer = GGUFWriter(str(target), arch)
     copy_gguf_metadata(reader, writer)
     tensor_type, file_type = _GGUF_TYPES[dtype]
     writer.add_file_type(file_type)
-    blocks = tensor_type in BLOCK_TYPES
+    plan = None
+    if tensor_type is None:
+        names = [tensor.name for tensor in reader.tensors]
+        layers = 1 + max((int(n.split(".")[1]) for n in names if n.startswith("blk.")), default=-1)
+        plan = QuantizationPlan(dtype, layers, tied_embeddings="output.weight" not in names)
     for tensor in reader.tensors:
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
         array = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-        # A block type takes matrices whose rows are whole blocks; the rest stay exact F32.
-        kept = blocks and (len(shape) != 2 or shape[1] % BLOCK_TYPES[tensor_type].block_size)
-        if tensor_type == GGMLQuantizationType.F32 or kept:
+        if plan is not None:
+            qtype = plan.type_for(tensor.name, shape)
+            if qtype is None:  # a vector, or rows that are not whole blocks: exact F32
+                writer.add_tensor(tensor.name, np.ascontiguousarray(array, dtype=np.float32))
+            else:
+                blocks = quantize_matrix(torch.from_numpy(array.copy()), qtype).blocks.numpy()
+                writer.add_tensor(tensor.name, blocks, raw_dtype=qtype)
+        elif tensor_type == GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, np.ascontiguousarray(array, dtype=np.float32))
         elif len(shape) == 1:
             # Stored as F32 but rounded like the rest, so every engine sees the same numbers.
@@ -272,7 +288,8 @@ def add_convert_args(parser: argparse.ArgumentParser) -> None:
         "--outtype",
         choices=list(OUTTYPES),
         help="write OUTDIR/model.gguf with its matrices in this type (llama.cpp's converter's "
-        "flag; q8_0 ... q4_0 quantize with llama.cpp's reference rounding); implies "
+        "flag; q8_0 ... q4_0 quantize with llama.cpp's reference rounding, q6_k, q5_k, q4_k "
+        "and the mixes q4_k_m, q5_k_m with octavo's K-quant quantizer); implies "
         "--format gguf and replaces --dtype",
     )
 

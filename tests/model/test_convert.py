@@ -340,30 +340,40 @@ def test_octavo_serves_the_float32_folder_with_the_gguf_greedy_tokens(embedded):
     assert list(output.token_ids) == expected
 
 
-def test_outtype_writes_a_quantized_gguf_octavo_computes_on(tmp_path):
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_outtype_writes_a_quantized_gguf_octavo_computes_on(tmp_path, outtype):
     """--outtype q8_0 (llama.cpp's converter's flag): every matrix in Q8_0 blocks, rounded by
-    gguf's quantizer from the source's weights, norms in F32; octavo loads it in Q8_0."""
+    gguf's quantizer from the source's weights, norms in F32; q4_k_m: each matrix in the type
+    llama-quantize's rule gives it (Q4_K, Q6_K for the last layer's v and down and the tied
+    embedding), rounded by octavo's K-quant quantizer; octavo loads either in those types."""
     from gguf import GGMLQuantizationType as Q
-
-    hf_model = make_tiny_hf_model("llama", seed=9)
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama")
-    argv = [str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--outtype", "q8_0"]
-    assert convert.main(argv) == 0
     from gguf import GGUFReader
     from gguf.quants import dequantize as deq
-    from gguf.quants import quantize as q
 
+    from octavo.model.formats.ggml import quantize
+    from octavo.model.loader.quantization import QuantizationPlan
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    hf_model = make_tiny_hf_model("llama", seed=9, tie_word_embeddings=True, **shape)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, "llama")
+    argv = [str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--outtype", outtype]
+    assert convert.main(argv) == 0
+    plan = QuantizationPlan(outtype, 2, tied_embeddings=True)
     written = {t.name: t for t in GGUFReader(tmp_path / "out" / "model.gguf").tensors}
     source = {t.name: t for t in GGUFReader(tmp_path / "tiny.gguf").tensors}
+    types = set()
     for name, tensor in written.items():
         original = np.asarray(source[name].data)
         if original.ndim == 2:
-            assert tensor.tensor_type == Q.Q8_0, name
-            expected = deq(q(original, Q.Q8_0), Q.Q8_0)
-            np.testing.assert_array_equal(deq(np.asarray(tensor.data), Q.Q8_0), expected)
+            qtype = plan.type_for(name, original.shape)
+            assert tensor.tensor_type == qtype, name
+            types.add(qtype.name)
+            expected = deq(quantize(torch.from_numpy(original.copy()), qtype).blocks.numpy(), qtype)
+            np.testing.assert_array_equal(deq(np.asarray(tensor.data), qtype), expected)
         else:
             assert tensor.tensor_type == Q.F32 and np.array_equal(tensor.data, original), name
+    assert types == ({"Q8_0"} if outtype == "q8_0" else {"Q4_K", "Q6_K"})
     backend = cpu_backend()
     _, config = load_model(str(tmp_path / "out" / "model.gguf"), backend)
-    assert config.weight_block_types == ("Q8_0",)
-    assert set(backend.weights_report["bytes_by_type"]) == {"Q8_0", "float32"}
+    assert set(config.weight_block_types) == types
+    assert set(backend.weights_report["bytes_by_type"]) == types | {"float32"}

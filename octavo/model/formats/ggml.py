@@ -22,12 +22,16 @@ from torch import Tensor
 
 __all__ = [
     "BLOCK_TYPES",
+    "K_FALLBACK",
+    "MIXES",
     "QUANTIZABLE_TYPES",
     "BlockType",
     "GGMLType",
     "QuantizedTensor",
     "dequantize",
+    "mix_type",
     "quantize",
+    "quantized_type",
     "row_bytes",
 ]
 
@@ -104,24 +108,78 @@ class QuantizedTensor:
         return dequantize(self.blocks, self.qtype, self.shape[1], dtype)
 
 
-# The block types a float weight can be quantized to here (gguf's numpy quantizers: llama.cpp's
-# reference rounding for these types).
-QUANTIZABLE_TYPES = (GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q5_0, GGMLType.Q4_1, GGMLType.Q4_0)
+# The block types a float weight can be quantized to here: the 32-weight ones by gguf's numpy
+# quantizers (llama.cpp's reference rounding), the K-quants by formats/kquants.py.
+QUANTIZABLE_TYPES = (
+    GGMLType.Q8_0,
+    GGMLType.Q6_K,
+    GGMLType.Q5_K,
+    GGMLType.Q5_1,
+    GGMLType.Q5_0,
+    GGMLType.Q4_K,
+    GGMLType.Q4_1,
+    GGMLType.Q4_0,
+)
+# What a matrix whose rows are not whole 256-blocks gets instead of a K-quant (as llama.cpp's
+# llama-quantize does).
+K_FALLBACK = {
+    GGMLType.Q4_K: GGMLType.Q5_0,
+    GGMLType.Q5_K: GGMLType.Q5_1,
+    GGMLType.Q6_K: GGMLType.Q8_0,
+}
 
 
 def quantize(weight: Tensor, qtype: GGMLType) -> QuantizedTensor:
-    """A float (n, k) CPU tensor as `qtype` blocks, rounded as llama.cpp's reference quantizer
-    rounds (gguf.quants.quantize). Raises ValueError for a type not in QUANTIZABLE_TYPES or a k
-    that is not a whole number of blocks."""
+    """A float (n, k) CPU tensor as `qtype` blocks (a QUANTIZABLE_TYPES member). Raises
+    ValueError for another type or a k that is not a whole number of blocks."""
     from gguf.quants import quantize as gguf_quantize
+
+    from octavo.model.formats import kquants
 
     if qtype not in QUANTIZABLE_TYPES:
         names = ", ".join(t.name for t in QUANTIZABLE_TYPES)
         raise ValueError(f"cannot quantize to {qtype.name} (quantizable: {names}).")
     n, k = weight.shape
     row_bytes(qtype, k)  # raises for a ragged row
+    k_quant = {
+        GGMLType.Q4_K: kquants.quantize_q4_k,
+        GGMLType.Q5_K: kquants.quantize_q5_k,
+        GGMLType.Q6_K: kquants.quantize_q6_k,
+    }.get(qtype)
+    if k_quant is not None:
+        return QuantizedTensor(k_quant(weight), qtype, (n, k))
     blocks = gguf_quantize(weight.detach().float().numpy(), qtype)
     return QuantizedTensor(torch.from_numpy(blocks).reshape(n, -1), qtype, (n, k))
+
+
+def quantized_type(qtype: GGMLType, k: int) -> GGMLType | None:
+    """The type a matrix of rows of k weights is quantized to when `qtype` is asked: qtype if
+    its rows are whole blocks, a K-quant's fallback (K_FALLBACK) if those are, else None (the
+    matrix stays float)."""
+    for candidate in (qtype, K_FALLBACK.get(qtype)):
+        if candidate is not None and k % BLOCK_TYPES[candidate].block_size == 0:
+            return candidate
+    return None
+
+
+# Mixes of types by tensor role, named as llama.cpp's llama-quantize names them: (the base
+# type, the type of the layers' attn_v and ffn_down where more bits are given).
+MIXES = {"q4_k_m": (GGMLType.Q4_K, GGMLType.Q6_K), "q5_k_m": (GGMLType.Q5_K, GGMLType.Q6_K)}
+
+
+def mix_type(mix: str, role: str, layer: int | None, num_layers: int, tied: bool) -> GGMLType:
+    """The type `mix` (a MIXES key) gives a matrix of `role` (attn_q ... ffn_down in GGUF's
+    naming, token_embd, output) in `layer`: Q6_K for the output projection (a tied embedding
+    is it), more bits for attn_v and ffn_down in the first and last eighth of the layers and
+    every third between (llama.cpp's rule), the base type elsewhere."""
+    base, more = MIXES[mix]
+    if role == "output" or (role == "token_embd" and tied):
+        return GGMLType.Q6_K
+    if role in ("attn_v", "ffn_down") and layer is not None:
+        eighth = num_layers // 8
+        if layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2:
+            return more
+    return base
 
 
 def dequantize(

@@ -21,13 +21,14 @@ from octavo.config import QUANTIZATIONS
 from octavo.model.arch import get_spec, load_model_class
 from octavo.model.backends import ModelBackend
 from octavo.model.config import ModelConfig
-from octavo.model.formats.ggml import BLOCK_TYPES, GGMLType, QuantizedTensor, quantize
+from octavo.model.formats.ggml import QuantizedTensor, quantize
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import (
     find_default_model,
     open_gguf_checkpoint,
     read_gguf_chat_template,
 )
+from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import open_hf_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ def load_model(
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
     `quantization` (one of QUANTIZATIONS): "gguf" keeps a GGUF file's block types (as without
-    it); a block type's name quantizes every float matrix of a float checkpoint to it as it is
-    read (formats.ggml.quantize).
+    it); a block type's or a mix's name quantizes the float matrices of a float checkpoint as
+    they are read (loader/quantization.py has the plan).
 
     Returns the model in eval mode, built with `backend`'s ops, every parameter in its compute
     dtype on its device and every linear weight in the format it chose, and the config. Raises
@@ -127,21 +128,18 @@ def _quantize_weights(
             f"{path}: quantization={quantization!r} quantizes float weights, and this file's "
             f"are already in {', '.join(config.weight_block_types)}; serve it as it is."
         )
-    qtype = GGMLType[quantization.upper()]
-    return _quantized(weights, qtype)
+    plan = QuantizationPlan(quantization, config.num_hidden_layers, config.tie_word_embeddings)
+    return _quantized(weights, plan)
 
 
 def _quantized(
-    weights: Iterable[tuple[str, Tensor | QuantizedTensor]], qtype: GGMLType
+    weights: Iterable[tuple[str, Tensor | QuantizedTensor]], plan: QuantizationPlan
 ) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
-    """Every float matrix (linear weights, embeddings) whose rows are whole blocks as `qtype`
-    blocks; vectors (norms, biases) as they are."""
-    block = BLOCK_TYPES[qtype].block_size
+    """Every float matrix (linear weights, embeddings) in the block type `plan` gives it;
+    vectors (norms, biases) and matrices it leaves float as they are."""
     for name, tensor in weights:
-        if isinstance(tensor, Tensor) and tensor.dim() == 2 and tensor.shape[1] % block == 0:
-            yield name, quantize(tensor, qtype)
-        else:
-            yield name, tensor
+        qtype = plan.type_for(name, tuple(tensor.shape)) if isinstance(tensor, Tensor) else None
+        yield name, tensor if qtype is None else quantize(tensor, qtype)
 
 
 def build_model(config: ModelConfig, backend: ModelBackend) -> nn.Module:
