@@ -64,9 +64,7 @@ _GGUF_TYPES = {
     "q5_k_m": (None, LlamaFileType.MOSTLY_Q5_K_M),
 }
 # --outtype (llama.cpp's converter's spelling) -> the GGUF type key above.
-OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"} | {
-    name: name for name in PLANS
-}
+OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"} | {name: name for name in PLANS}
 
 
 def convert_gguf(

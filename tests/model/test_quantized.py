@@ -292,9 +292,7 @@ def test_q4_k_m_like_mix_with_quantized_embeddings(tmp_path, monkeypatch):
 
 
 @kernels
-def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(
-    tmp_path, monkeypatch
-):
+def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(tmp_path, monkeypatch):
     """All-decode steps of a block-weight model run each layer as one ops.decode_layer call
     (projections of one or two block types, repacked or not), with the same logits bit for bit
     as the layers' own forward; a step of more rows than a block weight's max_rows (where
@@ -434,7 +432,8 @@ def test_float_checkpoint_quantized_at_load(tmp_path, plan):
     backend = cpu_backend(max_rows=0)
     model, _ = load_model(str(tmp_path / "hf"), backend, plan)
     expected_formats = {"q4_k_m": {"Q4_K": 6, "Q4_K+Q6_K": 1, "Q6_K": 2}}.get(
-        plan, {plan.upper(): 2 * 4 + 1}  # 4 per layer + the tied embedding and head
+        plan,
+        {plan.upper(): 2 * 4 + 1},  # 4 per layer + the tied embedding and head
     )
     assert backend.weights_report["formats"] == expected_formats
     assert all(p.device.type == "meta" for p in model.parameters() if p.dim() == 2)
@@ -541,9 +540,7 @@ def test_hf_quantized_checkpoint_is_named_in_the_error(tmp_path):
 
 
 @kernels
-@pytest.mark.parametrize(
-    "qtype", [*LEGACY, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name
-)
+@pytest.mark.parametrize("qtype", [*LEGACY, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_repacked_layout_holds_the_same_weights(qtype):
     """Where the kernels repack a type (AVX-512 builds), the repacked bytes dequantize to the
     original blocks' weights exactly and multiply bit for bit as they do (the same lane-order
