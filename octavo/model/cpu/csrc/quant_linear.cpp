@@ -10,8 +10,7 @@
 // the float work (the weight's scale times x's, and the bias times x's sum) is one multiply-add
 // per sub-block instead of one per four weights. A weight row is unpacked once (into L1) and
 // reused by every row of x, four rows at a time, so few rows (decode) stream each weight byte
-// once, and more rows reuse it from cache; repacked rows are decoded in registers two weight
-// rows at a time, so that each x vector loaded serves both.
+// once, and more rows reuse it from cache.
 //
 // Rounding: every product is exact; what differs from float compute is x's rounding to 8 bits
 // (a relative error of at most 1/254 of each block's largest value) and float32 summation.
@@ -165,56 +164,42 @@ struct UnpackedChunks {
   }
 };
 
-// out[w * R + r] = the dot products of W weight rows (their chunks, kp weights each) with R
-// rows of x, each sub-block's integer sum scaled once (see the top of the file). Every output
-// takes the same operations in the same order whatever W and R are (batch invariance); W > 1
-// only shares each x vector's load between weight rows.
-template <int W, int R, bool kSigned, typename Chunks>
-inline void dot_chunks(const Chunks* chunks, int64_t kp, const QuantizedX& x, int64_t row0,
+// out[r] = the dot products of a weight row (its chunks, kp weights) with R rows of x, each
+// sub-block's integer sum scaled once (see the top of the file).
+template <int R, bool kSigned, typename Chunks>
+inline void dot_chunks(const Chunks& chunks, int64_t kp, const QuantizedX& x, int64_t row0,
                        float* out) {
-  __m512 acc[W][R];
-  for (int w = 0; w < W; ++w) {
-    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
-  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t e = 0; e < kp; e += kChunk) {
-    __m512i wv[W][4];
-    __m512 ws[W], wb[W];
-    __mmask64 negative[W][4] = {};
-    for (int w = 0; w < W; ++w) {
-      chunks[w](e, wv[w], ws[w], wb[w]);
-      if constexpr (kSigned) {
-        for (int v = 0; v < 4; ++v) {
-          negative[w][v] = _mm512_movepi8_mask(wv[w][v]);
-          wv[w][v] = _mm512_abs_epi8(wv[w][v]);
-        }
+    __m512i wv[4];
+    __m512 ws, wb;
+    chunks(e, wv, ws, wb);
+    __mmask64 negative[4] = {0, 0, 0, 0};
+    if constexpr (kSigned) {
+      for (int v = 0; v < 4; ++v) {
+        negative[v] = _mm512_movepi8_mask(wv[v]);
+        wv[v] = _mm512_abs_epi8(wv[v]);
       }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q_row(row0 + r) + e;
-      __m512i sum[W];
-      for (int w = 0; w < W; ++w) sum[w] = zero;
+      __m512i sum = zero;
       for (int v = 0; v < 4; ++v) {
-        const __m512i xv = _mm512_loadu_si512(xq + 64 * v);
-        for (int w = 0; w < W; ++w) {
-          const __m512i xs = kSigned ? _mm512_mask_sub_epi8(xv, negative[w][v], zero, xv) : xv;
-          sum[w] = dot_u8s8(sum[w], wv[w][v], xs);
-        }
+        __m512i xv = _mm512_loadu_si512(xq + 64 * v);
+        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, negative[v], zero, xv);
+        sum = dot_u8s8(sum, wv[v], xv);
       }
-      const __m512 x_scale = _mm512_loadu_ps(x.scale_row(row0 + r) + e / 16);
-      for (int w = 0; w < W; ++w) {
-        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[w]), _mm512_mul_ps(ws[w], x_scale),
-                                    acc[w][r]);
-        if constexpr (!kSigned) {
-          acc[w][r] = _mm512_fmadd_ps(wb[w], _mm512_loadu_ps(x.sum_row(row0 + r) + e / 16),
-                                      acc[w][r]);
-        }
+      acc[r] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(sum),
+          _mm512_mul_ps(ws, _mm512_loadu_ps(x.scale_row(row0 + r) + e / 16)), acc[r]);
+      if constexpr (!kSigned) {
+        acc[r] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(x.sum_row(row0 + r) + e / 16), acc[r]);
       }
     }
   }
-  for (int w = 0; w < W; ++w) {
-    for (int r = 0; r < R; ++r) out[w * R + r] = _mm512_reduce_add_ps(acc[w][r]);
-  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
@@ -405,8 +390,7 @@ template <int R, bool kSigned>
 inline void dot_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t row0,
                      float* out) {
 #ifdef OCTAVO_INT8_512
-  const UnpackedChunks chunks{w};
-  dot_chunks<1, R, kSigned>(&chunks, padded(k), x, row0, out);
+  dot_chunks<R, kSigned>(UnpackedChunks{w}, padded(k), x, row0, out);
 #elif defined(OCTAVO_INT8_256)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -476,24 +460,21 @@ void dot_all_rows(const Unpacked& w, int64_t k, const QuantizedX& x, int64_t m, 
 }
 
 #ifdef OCTAVO_INT8_512
-// dot_all_rows for W repacked weight rows (outputs out, out + 1, ...): their chunks are decoded
-// again for each tile of x rows.
-template <int W, bool kSigned>
-void dot_all_chunks(const RepackedChunks* chunks, int64_t k, const QuantizedX& x, int64_t m,
+// dot_all_rows for a repacked weight row: its chunks are decoded again for each tile of x rows.
+template <bool kSigned>
+void dot_all_chunks(const RepackedChunks& chunks, int64_t k, const QuantizedX& x, int64_t m,
                     float* out, int64_t out_stride) {
-  float result[W * kXRows];
+  float result[kXRows];
   const int64_t kp = padded(k);
   for (int64_t i = 0; i < m; i += kXRows) {
     const int64_t rows = std::min<int64_t>(kXRows, m - i);
     switch (rows) {
-      case 4: dot_chunks<W, 4, kSigned>(chunks, kp, x, i, result); break;
-      case 3: dot_chunks<W, 3, kSigned>(chunks, kp, x, i, result); break;
-      case 2: dot_chunks<W, 2, kSigned>(chunks, kp, x, i, result); break;
-      default: dot_chunks<W, 1, kSigned>(chunks, kp, x, i, result); break;
+      case 4: dot_chunks<4, kSigned>(chunks, kp, x, i, result); break;
+      case 3: dot_chunks<3, kSigned>(chunks, kp, x, i, result); break;
+      case 2: dot_chunks<2, kSigned>(chunks, kp, x, i, result); break;
+      default: dot_chunks<1, kSigned>(chunks, kp, x, i, result); break;
     }
-    for (int w = 0; w < W; ++w) {
-      for (int64_t r = 0; r < rows; ++r) out[(i + r) * out_stride + w] = result[w * rows + r];
-    }
+    for (int64_t r = 0; r < rows; ++r) out[(i + r) * out_stride] = result[r];
   }
 }
 #endif
@@ -640,23 +621,11 @@ at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::In
       const bool is_signed = base_type == kQ8_0;
 #ifdef OCTAVO_INT8_512
       if (type & kRepacked) {
-        // Two weight rows at a time where the next is of the same part.
-        const bool pair = j + 1 < end && j + 1 < first[p + 1];
-        const int64_t num_blocks = k / block_weights(base_type);
-        const RepackedChunks chunks[2] = {
-            {base_type, row, num_blocks},
-            {base_type, pair ? row + blocks[p].stride(0) : row, num_blocks}};
-        if (pair) {
-          if (is_signed) {
-            dot_all_chunks<2, true>(chunks, k, qx, m, op + j, n);
-          } else {
-            dot_all_chunks<2, false>(chunks, k, qx, m, op + j, n);
-          }
-          ++j;
-        } else if (is_signed) {
-          dot_all_chunks<1, true>(chunks, k, qx, m, op + j, n);
+        const RepackedChunks chunks{base_type, row, k / block_weights(base_type)};
+        if (is_signed) {
+          dot_all_chunks<true>(chunks, k, qx, m, op + j, n);
         } else {
-          dot_all_chunks<1, false>(chunks, k, qx, m, op + j, n);
+          dot_all_chunks<false>(chunks, k, qx, m, op + j, n);
         }
         continue;
       }
