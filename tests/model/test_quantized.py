@@ -303,7 +303,7 @@ def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(tmp_p
             types[f"blk.{i}.{name}.weight"] = qtype
     tiny_quantized_gguf(tmp_path / "m.gguf", "llama", types, seed=6)
     model, backend = load(tmp_path / "m.gguf", max_rows=2)
-    assert backend.fused_decode_layer == "on"
+    assert backend.fused_decode_layer == "on for decode steps of up to 2 rows"
     assert model.model.layers[0].self_attn.qkv_proj.weight_format.name == "Q4_K+Q8_0"
     assert model.model.fused_decode.max_rows == 2
     calls = []
@@ -384,7 +384,7 @@ def test_embedded_model_native_agrees_with_the_float_path(tmp_path, weights):
     model, backend = load(path)
     if weights == "shipped Q4_1":
         assert backend.weights_report["formats"] == {"Q4_1": 120, "Q8_0": 1}
-    assert backend.fused_decode_layer == "on"
+    assert backend.fused_decode_layer.startswith("on for decode steps of up to")
     native = PagedHarness(model, backend, num_blocks=256, block_size=16)
     _, native_rows = _greedy_run(native, names, 64, forced=generated)
     agree, deltas = 0, []
