@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import re
 
+from octavo.model.arch import LLAMA_GGUF_GLOBAL_NAMES, LLAMA_GGUF_LAYER_NAMES
 from octavo.model.formats.ggml import MIXES, GGMLType, mix_type, quantized_type
 
 # The plans' names: each single block type, then the mixes.
 PLANS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", *MIXES)
 
-# Hugging Face projection names -> GGUF's.
-_HF_ROLES = {
-    "q_proj": "attn_q",
-    "k_proj": "attn_k",
-    "v_proj": "attn_v",
-    "o_proj": "attn_output",
-    "gate_proj": "ffn_gate",
-    "up_proj": "ffn_up",
-    "down_proj": "ffn_down",
+# GGUF's names of the Llama family's tensors (arch.py), read back: a layer module's Hugging
+# Face name (its last part) -> its GGUF role, and either name of a tensor outside the layers.
+_HF_LAYER_ROLES = {hf.rsplit(".", 1)[-1]: gguf for gguf, hf in LLAMA_GGUF_LAYER_NAMES.items()}
+_GLOBAL_ROLES = {
+    name: gguf.removesuffix(".weight")
+    for gguf, hf in LLAMA_GGUF_GLOBAL_NAMES.items()
+    for name in (gguf, hf)
 }
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.(?:.*\.)?(\w+)\.weight$")
 
@@ -32,14 +31,12 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.(?:.*\.)?(\w+)\.weight$")
 def tensor_role(name: str) -> tuple[str, int | None]:
     """(role in GGUF's naming, layer index or None) of a checkpoint tensor's name, Hugging
     Face's (model.layers.3.self_attn.v_proj.weight) or GGUF's (blk.3.attn_v.weight); roles
-    outside the layers: token_embd, output; anything else: its own last part."""
+    outside the layers: token_embd, output, output_norm; anything else: its own last part."""
     match = _LAYER.search(name)
     if match:
-        return _HF_ROLES.get(match[2], match[2]), int(match[1])
-    if name.endswith(("embed_tokens.weight", "token_embd.weight")):
-        return "token_embd", None
-    if name in ("lm_head.weight", "output.weight"):
-        return "output", None
+        return _HF_LAYER_ROLES.get(match[2], match[2]), int(match[1])
+    if name in _GLOBAL_ROLES:
+        return _GLOBAL_ROLES[name], None
     return name.rsplit(".", 1)[0], None
 
 
