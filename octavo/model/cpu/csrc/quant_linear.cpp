@@ -270,7 +270,12 @@ struct RepackedChunks {
       const __m512i sixteen = _mm512_set1_epi8(0x10);
       const __mmask16 mask_bytes = static_cast<__mmask16>((1u << p) - 1);
       for (int v = 0; v < 4; ++v, s += p) {
-        const uint64_t mask = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(mask_bytes, s)));
+        uint64_t mask;
+        if (p == 8) {
+          std::memcpy(&mask, s, 8);
+        } else {
+          mask = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(mask_bytes, s)));
+        }
         wv[v] = _mm512_mask_add_epi8(wv[v], mask, wv[v], sixteen);  // nibble + 16 = nibble | 16
       }
     } else if (type == kQ6_K) {

@@ -50,6 +50,8 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor seq_lens, float scale) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
+  // Block weights of one or more types as one projection (x quantized once, one parallel pass).
+  m.def("quant_linear_parts(Tensor x, Tensor[] blocks, int[] types, int[] rows) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int type, int k, ScalarType dtype) -> Tensor");
   m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
   // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
@@ -80,6 +82,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("paged_prefill_attention", &octavo::paged_prefill_attention);
   m.impl("packed_linear", &octavo::packed_linear);
   m.impl("quant_linear", &octavo::quant_linear);
+  m.impl("quant_linear_parts", &octavo::quant_linear_parts);
   m.impl("quant_dequantize", &octavo::quant_dequantize);
   m.impl("quant_repack", &octavo::quant_repack);
   m.impl("rms_norm", &octavo::rms_norm);
