@@ -60,7 +60,11 @@ def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     backend = select_backend(
-        device, TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.cache.dtype], config.backend
+        device,
+        TORCH_DTYPES[config.dtype],
+        TORCH_DTYPES[config.cache.dtype],
+        config.backend,
+        TORCH_DTYPES[config.weight_dtype] if config.weight_dtype else None,
     )
     model, model_config = load_model(config.model, backend, config.quantization)
     runner = ModelRunner(model, model_config, config.cache, config.scheduler, backend)

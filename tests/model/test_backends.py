@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from octavo.config import BackendConfig
+from octavo.config import BackendConfig, EngineArgs, PlatformInfo, resolve_dtype
 from octavo.model.backends import select_backend
 from octavo.model.backends.cpu import CpuKernelOps
 from octavo.model.backends.torch_ops import TorchOps
@@ -20,6 +20,38 @@ from octavo.model.layers.linear import Linear, PackedLinear
 kernels_built = pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
 CPU = torch.device("cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+NATIVE_BF16_CPU = PlatformInfo("cpu", "cpu", "avx512_bf16", 1 << 30)
+PLAIN_CPU = PlatformInfo("cpu", "cpu", "", 1 << 30)
+
+
+def test_auto_dtype_on_a_native_bfloat16_cpu_is_float32_over_bfloat16_weights():
+    assert resolve_dtype("auto", NATIVE_BF16_CPU)[:2] == ("float32", "bfloat16")
+    assert resolve_dtype("auto", PLAIN_CPU)[:2] == ("float32", None)
+    # Block weights stay blocks; a dtype asked for is that dtype throughout.
+    assert resolve_dtype("auto", NATIVE_BF16_CPU, ("Q4_K",))[:2] == ("float32", None)
+    assert resolve_dtype("bfloat16", NATIVE_BF16_CPU)[:2] == ("bfloat16", None)
+
+
+@pytest.mark.parametrize(
+    ("settings", "weights", "cache"),
+    [
+        ({}, "bfloat16", "bfloat16"),
+        ({"kv_cache_dtype": "float32"}, "bfloat16", "float32"),
+        ({"dtype": "float32"}, None, "float32"),
+        ({"packed_max_rows": 0}, None, "float32"),  # the float reference
+    ],
+)
+def test_the_engine_config_carries_the_weight_dtype_and_the_cache_follows_it(
+    settings, weights, cache
+):
+    from .test_models_vs_transformers import _config
+
+    config = EngineArgs(kv_cache_tokens=1024, **settings).create_engine_config(
+        NATIVE_BF16_CPU, _config(), "model"
+    )
+    assert (config.dtype, config.weight_dtype, config.cache.dtype) == ("float32", weights, cache)
 
 
 def _choices(dtype, kv_dtype, **config) -> dict:

@@ -217,6 +217,35 @@ def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, attention):
     assert not torch.allclose(decodes, expected[11:], atol=1e-5, rtol=1e-5)  # it did read bf16
 
 
+@pytest.mark.parametrize("gemm_rows", [None, 2])
+def test_float32_compute_over_bfloat16_weights_matches_the_rounded_model(tmp_path, gemm_rows):
+    """What --dtype auto picks on a CPU with native bfloat16: the weight matrices in bf16 (the
+    packed decode matmul reads them exactly), norms and activations in float32, a bf16 cache.
+    The reference is transformers in float32 on the same weights rounded to bf16. With
+    gemm_rows=2 the prompt's matmuls are torch's bf16 GEMM (x rounded to bf16 as well)."""
+    hf_model = save_tiny_checkpoint(tmp_path, "llama", seed=6)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.dim() == 2:
+                param.copy_(param.bfloat16().float())
+    token_ids = _tokens(12, seed=9)
+    expected = hf_logits(hf_model, token_ids)
+    model, backend = load(
+        tmp_path, kv_cache_dtype=torch.bfloat16, max_rows=gemm_rows, weight_dtype=torch.bfloat16
+    )
+    matrices = {p.dtype for n, p in model.named_parameters() if p.dim() == 2}
+    vectors = {p.dtype for n, p in model.named_parameters() if p.dim() == 1}
+    assert (matrices, vectors) == ({torch.bfloat16}, {torch.float32})
+    assert backend.fused_decode_layer == "on"
+    harness = PagedHarness(model, backend)
+    prefill = harness.step({"r": token_ids[:8]})["r"]
+    decodes = torch.cat([harness.step({"r": [t]})["r"] for t in token_ids[8:]])
+    assert prefill.dtype == decodes.dtype == torch.float32
+    # The bf16 cache (and, for gemm_rows=2, the prompt's bf16 activations) round keys, values
+    # and products to ~3 significant digits; the weights themselves are exact.
+    torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=0.1, rtol=0.05)
+
+
 # ---------------------------------------------------------------------- cache and metadata
 
 

@@ -85,12 +85,13 @@ def cpu_backend(
     kv_cache_dtype: torch.dtype | None = None,
     attention: str = "auto",
     max_rows: int | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> ModelBackend:
     """What select_backend gives a CPU engine with these dtypes and attention_backend.
     max_rows: the packed_max_rows setting (0: no packed or block kernel takes any matmul, so a
     GGUF's blocks are dequantized and multiplied in float: the float reference)."""
     config = BackendConfig(attention_backend=attention, packed_max_rows=max_rows)
-    return select_backend(torch.device("cpu"), dtype, kv_cache_dtype or dtype, config)
+    return select_backend(torch.device("cpu"), dtype, kv_cache_dtype or dtype, config, weight_dtype)
 
 
 def load(
@@ -99,9 +100,10 @@ def load(
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: torch.dtype | None = None,
     max_rows: int | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, ModelBackend]:
     """load_model with cpu_backend(...): the model and the backend it was built with."""
-    backend = cpu_backend(dtype, kv_cache_dtype, attention, max_rows)
+    backend = cpu_backend(dtype, kv_cache_dtype, attention, max_rows, weight_dtype)
     model, _ = load_model(str(path), backend)
     return model, backend
 

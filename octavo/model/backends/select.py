@@ -67,6 +67,9 @@ class ModelBackend:
     bf16_dequantized_gemm: bool = False
     # Why the kernels are off ("" when on).
     kernels_off_reason: str = ""
+    # The float weight matrices' (linear layers', embeddings') dtype where it is not the compute
+    # dtype; their GEMMs then run in it, the activations cast to it (formats/base.py).
+    weight_dtype: torch.dtype | None = None
     # Filled by prepare_model: what the weights became and whether the fused layer runs.
     weights_report: dict[str, Any] = field(default_factory=dict)
     fused_decode_layer: str = "off: not prepared"
@@ -217,6 +220,7 @@ class ModelBackend:
         return {
             "device": str(self.device),
             "compute_dtype": _dtype_name(self.dtype),
+            "weight_dtype": _dtype_name(self.weight_dtype or self.dtype),
             "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
             "cpu_kernels": build.isa() if self.kernels else f"off: {self.kernels_off_reason}",
             "attention": self.attention.name,
@@ -233,6 +237,7 @@ def select_backend(
     dtype: torch.dtype,
     kv_cache_dtype: torch.dtype,
     config: BackendConfig,
+    weight_dtype: torch.dtype | None = None,
 ) -> ModelBackend:
     """The backend for this device and these dtypes under `config` (see the module's table).
     Loads (and on first use builds) the CPU kernels when it picks them. Raises ValueError for
@@ -277,6 +282,7 @@ def select_backend(
             config.bf16_dequantized_gemm and dtype == torch.float32 and device.type == "cpu"
         ),
         kernels_off_reason=off_reason,
+        weight_dtype=None if weight_dtype == dtype else weight_dtype,
     )
 
 

@@ -40,7 +40,9 @@ class LinearWeight(ABC):
 
 
 class DenseWeight(LinearWeight):
-    """The checkpoint's float tensor, multiplied by torch's GEMM (any device, any float dtype)."""
+    """The checkpoint's float tensor, multiplied by torch's GEMM (any device, any float dtype).
+    A weight in another dtype than x's (bfloat16 weights under float32 compute) multiplies in
+    its own: x is rounded to it, and the product comes back in x's dtype."""
 
     name = "dense"
 
@@ -48,7 +50,10 @@ class DenseWeight(LinearWeight):
         self.weight = weight  # (n, k)
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        return F.linear(x, self.weight, bias)
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, bias)
+        out = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return out if bias is None else out.add_(bias)
 
     def dequantize(self) -> Tensor:
         return self.weight

@@ -28,12 +28,16 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # (vocab, hidden)
+        # The compute dtype, which looked-up rows come out in (the table may be in another;
+        # set by the loader); None: the table's.
+        self.output_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """(num_tokens,) int64 -> (num_tokens, hidden)."""
         if self.quantized is not None:
             return self.head_format.embedding(input_ids)
-        return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.weight)
+        return rows if self.output_dtype in (None, rows.dtype) else rows.to(self.output_dtype)
 
     def weight_parts(self) -> list[QuantizedTensor | Tensor] | None:
         """As Linear.weight_parts."""

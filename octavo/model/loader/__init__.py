@@ -22,6 +22,8 @@ from octavo.model.arch import get_spec, load_model_class
 from octavo.model.backends import ModelBackend
 from octavo.model.config import ModelConfig
 from octavo.model.formats.ggml import QuantizedTensor, quantize
+from octavo.model.layers.embedding import VocabEmbedding
+from octavo.model.layers.linear import Linear
 from octavo.model.loader.errors import ModelLoadError
 from octavo.model.loader.gguf import (
     find_default_model,
@@ -159,9 +161,16 @@ def build_model(config: ModelConfig, backend: ModelBackend) -> nn.Module:
     dtype, device = backend.dtype, backend.device
     # Parameters are replaced by hand rather than with Module.to_empty, whose meta-tensor
     # dispatch imports torch's symbolic-shape machinery (over a second of start-up).
+    # Weight matrices in the backend's weight dtype where it has one; norms, biases and
+    # everything else in the compute dtype.
+    matrix_dtype = backend.weight_dtype or dtype
     for module in model.modules():
+        matrices = isinstance(module, (Linear, VocabEmbedding))
+        if isinstance(module, VocabEmbedding):
+            module.output_dtype = dtype
         for name, param in list(module.named_parameters(recurse=False)):
-            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            param_dtype = matrix_dtype if matrices and name == "weight" else dtype
+            empty = torch.empty(param.shape, dtype=param_dtype, device=device)
             setattr(module, name, nn.Parameter(empty, requires_grad=False))
     return model
 
