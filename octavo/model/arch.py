@@ -71,6 +71,12 @@ class ArchSpec:
     # Opt-in to the CPU's one-call decoder layer (model/cpu/fused.py), which checks the loaded
     # model as well.
     fused_decode_layer: bool = False
+    # Mixture of experts: how config.json describes them (model/config.py, _moe_fields:
+    # "mixtral", "qwen2" with a shared expert, "qwen" for Qwen3-MoE); None: dense.
+    moe: str | None = None
+    # Checkpoint tensor names -> octavo's module names, as (old, new) substrings replaced in
+    # order (Mixtral's block_sparse_moe.experts.N.w1 is mlp.experts.N.gate_proj here).
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
 
 def _one_attention_bias(config: ModelConfig) -> dict[str, Any]:
@@ -130,6 +136,35 @@ SPECS: tuple[ArchSpec, ...] = (
         qk_norm=True,
         hf_config_extras=_one_attention_bias,
         fused_decode_layer=True,
+    ),
+    # Mixture-of-experts Llama-family decoders: the same attention, the MLP replaced by
+    # top-k routed experts (model/layers/moe.py). Safetensors only for now (no GGUF name).
+    ArchSpec(
+        name="Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        model_class=_LLAMA_CLASS,
+        qk_norm=True,
+        moe="qwen",
+    ),
+    ArchSpec(
+        name="Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        model_class=_LLAMA_CLASS,
+        qkv_bias=True,
+        o_proj_bias=False,
+        moe="qwen2",
+    ),
+    ArchSpec(
+        name="MixtralForCausalLM",
+        model_type="mixtral",
+        model_class=_LLAMA_CLASS,
+        moe="mixtral",
+        hf_renames=(
+            (".block_sparse_moe.", ".mlp."),
+            (".w1.", ".gate_proj."),
+            (".w3.", ".up_proj."),
+            (".w2.", ".down_proj."),
+        ),
     ),
 )
 

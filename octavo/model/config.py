@@ -60,6 +60,17 @@ class ModelConfig:
     # The GGML block types its weights are held in (a quantized GGUF file's "Q4_K", "Q6_K"),
     # sorted; empty for float checkpoints.
     weight_block_types: tuple[str, ...] = ()
+    # Mixture of experts (0 experts: dense). Each token's router picks num_experts_per_tok of
+    # num_experts gated MLPs of moe_intermediate_size, weighted by its softmax probabilities,
+    # renormalised over the chosen ones where norm_topk_prob; a shared expert of
+    # shared_expert_intermediate_size (0: none) is added under a sigmoid gate (Qwen2-MoE).
+    # dense_layers: the layers that keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -82,6 +93,18 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                f"{self.num_experts}, with a positive moe_intermediate_size "
+                f"(got {self.moe_intermediate_size})."
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has the experts, not the dense MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def q_size(self) -> int:
@@ -146,6 +169,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(eos),
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
             sampling_defaults=_sampling_defaults(generation_config),
+            **(_moe_fields(config, spec.moe) if spec.moe else {}),
         )
 
     # ---------------------------------------------------------------- GGUF metadata
@@ -251,6 +275,37 @@ def _max_positions(config: Mapping[str, Any]) -> int:
         )
         return int(window)
     return max_positions
+
+
+def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF config. kind "mixtral": every layer routes to
+    experts of `intermediate_size` and renormalises the chosen probabilities; "qwen": the
+    Qwen2/3-MoE keys (`moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`,
+    `mlp_only_layers`, Qwen2-MoE's shared expert). transformers 5 writes the expert count as
+    `num_local_experts` for both, transformers 4 as `num_experts` for Qwen."""
+    num_experts = config.get("num_experts") or _required(config, "num_local_experts")
+    fields = {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(_required(config, "num_experts_per_tok")),
+    }
+    if kind == "mixtral":
+        return {
+            **fields,
+            "moe_intermediate_size": int(_required(config, "intermediate_size")),
+            "norm_topk_prob": True,
+        }
+    layers = int(_required(config, "num_hidden_layers"))
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = set(config.get("mlp_only_layers") or ())
+    return {
+        **fields,
+        "moe_intermediate_size": int(_required(config, "moe_intermediate_size")),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
+        if kind == "qwen2"
+        else 0,
+        "dense_layers": tuple(i for i in range(layers) if i in only_dense or (i + 1) % step != 0),
+    }
 
 
 def _first_set(first: Mapping[str, Any], second: Mapping[str, Any], key: str) -> Any:

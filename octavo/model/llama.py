@@ -1,5 +1,5 @@
-"""The Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3), reading like HF's
-modeling_llama.
+"""The Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3, and with experts in
+place of the MLP Mixtral, Qwen2-MoE and Qwen3-MoE), reading like HF's modeling_llama.
 
 Attention / MLP / DecoderLayer / Model / ForCausalLM in that order, over a flat batch: inputs are
 (num_tokens,) ids and positions of all scheduled requests with no padding, attention goes through
@@ -25,6 +25,7 @@ from octavo.model.config import ModelConfig
 from octavo.model.layers.embedding import VocabEmbedding
 from octavo.model.layers.linear import Linear, PackedLinear
 from octavo.model.layers.mlp import GatedMLP
+from octavo.model.layers.moe import SparseMoE
 from octavo.model.layers.norm import HeadRMSNorm, RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.layers.weights import load_checkpoint_weights
@@ -83,13 +84,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: ModelBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: ModelBackend, layer: int = 0) -> None:
+        """`layer`: this layer's index (mixture-of-experts models keep some layers dense)."""
         super().__init__()
         ops = backend.ops
         self.self_attn = LlamaAttention(config, backend)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, ops
-        )
+        self.mlp: GatedMLP | SparseMoE
+        if config.is_moe_layer(layer):
+            self.mlp = SparseMoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                config.hidden_act,
+                ops,
+                config.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.mlp_bias,
+                config.hidden_act,
+                ops,
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -126,7 +145,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         # Every layer as one kernel call for all-decode steps, bound by the backend once the

@@ -43,6 +43,28 @@ VARIANTS = {
     "llama_linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "qwen2_untied": ("qwen2", {}),
     "qwen3_head_dim_32_tied": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # Mixtures of experts: 4 experts, 2 per token (weights ~N(0, 0.2) make the router's choice
+    # decisive); Qwen3-MoE with its second layer dense, Qwen2-MoE with a shared expert.
+    "qwen3_moe_one_dense_layer": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2_moe_shared_expert": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -140,8 +162,12 @@ def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypat
     q/k/v biases); it must give the layer-by-layer forward's logits bit for bit. Qwen3's
     per-head q/k norms are not in that kernel: the backend does not bind it for them."""
     model, backend = load(tiny[1])
-    supported = not model.config.qk_norm
-    assert backend.fused_decode_layer == ("on" if supported else "off: per-head q/k norms")
+    config = model.config
+    supported = not config.qk_norm and not config.num_experts
+    reason = (
+        f"{config.architecture} does not use it" if config.num_experts else "per-head q/k norms"
+    )
+    assert backend.fused_decode_layer == ("on" if supported else f"off: {reason}")
     assert (model.model.fused_decode is not None) == supported
     calls = []
     decode_layer = ops.decode_layer

@@ -33,6 +33,9 @@ _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "mixtral": transformers.MixtralConfig,
 }
 
 TINY_SHAPE = dict(

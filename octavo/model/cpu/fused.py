@@ -65,6 +65,7 @@ def incompatibility(model: nn.Module) -> str | None:
     """Why the fused layer cannot run this loaded model, or None if it can: the architecture
     opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
     one eps per layer, and every projection packed or in block kernel parts (kernel_parts)."""
+    from octavo.model.layers.mlp import GatedMLP
     from octavo.model.llama import LlamaDecoderLayer
 
     config = model.config
@@ -75,6 +76,8 @@ def incompatibility(model: nn.Module) -> str | None:
     for layer in model.model.layers:
         if type(layer) is not LlamaDecoderLayer:
             return f"{type(layer).__name__} is not the Llama decoder layer"
+        if not isinstance(layer.mlp, GatedMLP):
+            return f"{type(layer.mlp).__name__} in place of the gated MLP"
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qk_norm:
             return "per-head q/k norms"

@@ -3,7 +3,8 @@
 Owns reading the config files into a ModelConfig and streaming (name, tensor) pairs out of the
 safetensors files, single or sharded (model.safetensors.index.json). Every file is opened once
 up front so that a truncated or corrupt one fails before the model is built. Must not know model
-classes or parameter layouts: names go out exactly as stored.
+classes or parameter layouts: names go out as stored, with the substitutions an architecture's
+spec lists (ArchSpec.hf_renames) applied.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
 
@@ -47,7 +49,19 @@ def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, T
     files = weight_files(folder)
     for file in files:
         _check_header(file)
-    return config, _iter_tensors(files)
+    renames = get_spec(config.architecture).hf_renames
+    tensors = _iter_tensors(files)
+    return config, _renamed(tensors, renames) if renames else tensors
+
+
+def _renamed(
+    tensors: Iterator[tuple[str, Tensor]], renames: tuple[tuple[str, str], ...]
+) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors under octavo's module names (ArchSpec.hf_renames)."""
+    for name, tensor in tensors:
+        for old, new in renames:
+            name = name.replace(old, new)
+        yield name, tensor
 
 
 def weight_files(folder: Path) -> list[Path]:
