@@ -43,6 +43,23 @@ LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
     }
 )
 
+# The mixture-of-experts tensors of llama.cpp's MoE files (Mixtral as "llama", qwen2moe,
+# qwen3moe): the router and Qwen2-MoE's shared expert by name; each `*_exps` tensor stacks
+# every expert's matrix along its first dimension, expert N's becoming mlp.experts.N.<name>.
+LLAMA_GGUF_MOE_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    }
+)
+LLAMA_GGUF_EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
+    {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+)
+_LLAMA_MOE_LAYER_NAMES = MappingProxyType({**LLAMA_GGUF_LAYER_NAMES, **LLAMA_GGUF_MOE_NAMES})
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -138,26 +155,33 @@ SPECS: tuple[ArchSpec, ...] = (
         fused_decode_layer=True,
     ),
     # Mixture-of-experts Llama-family decoders: the same attention, the MLP replaced by
-    # top-k routed experts (model/layers/moe.py). Safetensors only for now (no GGUF name).
+    # top-k routed experts (model/layers/moe.py). llama.cpp writes Mixtral as "llama" with an
+    # expert count (ModelConfig.from_gguf picks this spec for such a file).
     ArchSpec(
         name="Qwen3MoeForCausalLM",
         model_type="qwen3_moe",
         model_class=_LLAMA_CLASS,
+        gguf_name="qwen3moe",
         qk_norm=True,
+        gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         moe="qwen",
     ),
     ArchSpec(
         name="Qwen2MoeForCausalLM",
         model_type="qwen2_moe",
         model_class=_LLAMA_CLASS,
+        gguf_name="qwen2moe",
         qkv_bias=True,
         o_proj_bias=False,
+        gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         moe="qwen2",
     ),
     ArchSpec(
         name="MixtralForCausalLM",
         model_type="mixtral",
         model_class=_LLAMA_CLASS,
+        gguf_permute_qk=True,
+        gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         moe="mixtral",
         hf_renames=(
             (".block_sparse_moe.", ".mlp."),

@@ -211,6 +211,17 @@ class ModelConfig:
             "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
             "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         }
+        num_experts = get("expert_count") or 0
+        if num_experts:
+            # llama.cpp's MoE keys; its graphs renormalise the chosen experts' weights for
+            # Mixtral and Qwen3-MoE and not for Qwen2-MoE, unless the file says otherwise.
+            if spec.name == "LlamaForCausalLM":
+                hf["architectures"] = ["MixtralForCausalLM"]
+            hf["num_experts"] = num_experts
+            hf["num_experts_per_tok"] = get("expert_used_count")
+            hf["moe_intermediate_size"] = get("expert_feed_forward_length")
+            hf["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+            hf["norm_topk_prob"] = get("expert_weights_norm", spec.name != "Qwen2MoeForCausalLM")
         scaling_type = get("rope.scaling.type")
         if scaling_type not in (None, "none"):
             hf["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor")}

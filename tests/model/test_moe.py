@@ -134,3 +134,81 @@ def test_mixtral_checkpoint_names_load_into_the_shared_modules(tmp_path):
     torch.testing.assert_close(layer.mlp.experts[2].gate_up_proj.weight, hf_experts.gate_up_proj[2])
     torch.testing.assert_close(layer.mlp.experts[1].down_proj.weight, hf_experts.down_proj[1])
     assert backend.fused_decode_layer == "off: MixtralForCausalLM does not use it"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "overrides"),
+    [
+        ("mixtral", "llama", {"num_local_experts": 4}),
+        ("qwen3_moe", "qwen3moe", {"num_experts": 4, "moe_intermediate_size": 32}),
+        (
+            "qwen2_moe",
+            "qwen2moe",
+            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        ),
+    ],
+)
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_gguf_of_experts_gives_the_logits_of_its_float_reference(
+    tmp_path, model_type, arch, overrides, qtype
+):
+    """llama.cpp's layout: Mixtral as "llama" with an expert count, qwen2moe / qwen3moe, each
+    expert stack one 3-D tensor (`ffn_*_exps`, here in F32 or Q8_0 blocks, which octavo splits
+    into each expert's blocks), the router as ffn_gate_inp. The reference: transformers on the
+    weights the blocks stand for."""
+    import gguf
+
+    from .tiny import hf_logits, make_tiny_hf_model, write_tiny_gguf
+
+    hf_model = make_tiny_hf_model(model_type, num_experts_per_tok=2, **overrides)
+    types = {}
+    if qtype == "Q8_0":
+        types = {
+            f"blk.{i}.ffn_{p}_exps.weight": gguf.GGMLQuantizationType.Q8_0
+            for i in range(2)
+            for p in ("gate", "up", "down")
+        }
+    blocks = _quantize_expert_stacks(hf_model, types)
+    path = tmp_path / "moe.gguf"
+    write_tiny_gguf(path, hf_model, arch, types, blocks)
+    model, backend = load(path, max_rows=0)
+    assert model.config.architecture == type(hf_model).__name__
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp, SparseMoE) and len(layer.mlp.experts) == 4
+    tokens = list(range(3, 14))
+    expected = hf_logits(hf_model, tokens)
+    torch.testing.assert_close(_logits(model, backend, tokens), expected, atol=1e-4, rtol=1e-4)
+    if qtype == "Q8_0":
+        # The experts' blocks in the block kernel (8-bit activations; the bound of
+        # test_quantized's tiny GGUF comparison).
+        model, backend = load(path)
+        fmt = model.model.layers[0].mlp.experts[3].down_proj.weight_format
+        assert fmt.name == "Q8_0"
+        spread = expected.std().item()
+        assert (_logits(model, backend, tokens) - expected).abs().mean().item() < 0.06 * spread
+
+
+def _logits(model, backend, token_ids):
+    from .tiny import PagedHarness
+
+    return PagedHarness(model, backend).step({"r": token_ids})["r"]
+
+
+def _quantize_expert_stacks(hf_model, types) -> dict:
+    """Blocks for the stacks named in `types` (gguf's Q8_0 of each), and the HF model's
+    stacked experts set to what the blocks stand for, so it stays the file's float reference."""
+    from gguf.quants import dequantize, quantize
+
+    result = {}
+    for i, layer in enumerate(hf_model.model.layers):
+        experts = layer.mlp.experts
+        gate, up = experts.gate_up_proj.data.chunk(2, dim=1)
+        stacks = {"gate": gate, "up": up, "down": experts.down_proj.data}
+        for part, tensor in stacks.items():
+            name = f"blk.{i}.ffn_{part}_exps.weight"
+            if name not in types:
+                continue
+            blocks = quantize(tensor.float().numpy(), types[name])
+            result[name] = blocks
+            tensor.copy_(torch.from_numpy(dequantize(blocks, types[name]).reshape(tensor.shape)))
+    return result

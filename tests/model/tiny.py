@@ -221,6 +221,11 @@ _HF_TO_GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -233,8 +238,25 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest.startswith("mlp.experts."):  # a stack, as _gguf_ordered_state names it
+        return f"blk.{layer}.{rest.removeprefix('mlp.experts.')}.weight"
     module, param = rest.rsplit(".", 1)
     return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{param}"
+
+
+def _gguf_ordered_state(hf_model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The model's tensors, with transformers 5's stacked experts (gate_up_proj: experts x
+    2 inter x hidden, down_proj) as llama.cpp's three stacks, named mlp.experts.ffn_*_exps."""
+    for hf_name, tensor in hf_model.state_dict().items():
+        prefix, _, last = hf_name.rpartition(".experts.")
+        if last == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"{prefix}.experts.ffn_gate_exps", gate
+            yield f"{prefix}.experts.ffn_up_exps", up
+        elif last == "down_proj":
+            yield f"{prefix}.experts.ffn_down_exps", tensor
+        else:
+            yield hf_name, tensor
 
 
 def permute_like_llama_cpp(weight: Tensor, num_heads: int) -> Tensor:
@@ -351,8 +373,19 @@ def write_tiny_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{{ messages[0]['content'] }}")
+    num_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        moe_size = getattr(config, "moe_intermediate_size", None)
+        if moe_size:
+            writer.add_expert_feed_forward_length(moe_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        if hasattr(config, "norm_topk_prob"):
+            writer.add_expert_weights_norm(config.norm_topk_prob)
     tensor_types = tensor_types or {}
-    for hf_name, tensor in hf_model.state_dict().items():
+    for hf_name, tensor in _gguf_ordered_state(hf_model):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         name = gguf_name(hf_name)

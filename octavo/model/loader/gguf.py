@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from torch import Tensor
 
-from octavo.model.arch import ArchSpec, get_spec
+from octavo.model.arch import LLAMA_GGUF_EXPERT_NAMES, ArchSpec, get_spec
 from octavo.model.config import ModelConfig
 from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor
 from octavo.model.loader.errors import ModelLoadError
@@ -67,11 +67,17 @@ def open_gguf_checkpoint(
                 f"is not supported (supported: {_names(SUPPORTED_TENSOR_TYPES)})."
             )
         block = BLOCK_TYPES.get(tensor.tensor_type)
-        if block is not None and (len(tensor.shape) != 2 or tensor.shape[0] % block.block_size):
+        dims = 3 if _expert_stack(tensor.name) else 2
+        if dims == 3 and len(tensor.shape) != 3:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has shape {_torch_shape(tensor)}; a stack of "
+                "experts' matrices is 3-D (experts, rows, columns)."
+            )
+        if block is not None and (len(tensor.shape) != dims or tensor.shape[0] % block.block_size):
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} of GGUF type {block.name} has shape "
-                f"{_torch_shape(tensor)}; octavo computes on 2-D block tensors whose rows are "
-                f"whole blocks of {block.block_size}."
+                f"{_torch_shape(tensor)}; octavo computes on {dims}-D block tensors whose rows "
+                f"are whole blocks of {block.block_size}."
             )
         if gguf_to_hf_name(tensor.name, spec) is None:
             raise ModelLoadError(
@@ -82,14 +88,25 @@ def open_gguf_checkpoint(
 
 def gguf_to_hf_name(name: str, spec: ArchSpec) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' under the spec's
-    tensor names; None if unknown."""
+    tensor names; None if unknown. A stack of experts' matrices ('blk.3.ffn_up_exps.weight',
+    an MoE spec's) gets a name with '{}' where the expert's index goes
+    ('model.layers.3.mlp.experts.{}.up_proj.weight')."""
     if name in spec.gguf_global_names:
         return spec.gguf_global_names[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in spec.gguf_layer_names:
+    if match is None:
         return None
     layer, kind, param = match.groups()
+    if spec.moe and kind in LLAMA_GGUF_EXPERT_NAMES:
+        return f"model.layers.{layer}.mlp.experts.{{}}.{LLAMA_GGUF_EXPERT_NAMES[kind]}.{param}"
+    if kind not in spec.gguf_layer_names:
+        return None
     return f"model.layers.{layer}.{spec.gguf_layer_names[kind]}.{param}"
+
+
+def _expert_stack(name: str) -> bool:
+    match = _LAYER_TENSOR.fullmatch(name)
+    return match is not None and match.group(2) in LLAMA_GGUF_EXPERT_NAMES
 
 
 def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -146,6 +163,9 @@ def _iter_tensors(
     permuted = spec.gguf_permute_qk
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name, spec)
+        if _expert_stack(tensor.name):
+            yield from _experts(path, tensor, name)
+            continue
         if tensor.tensor_type in BLOCK_TYPES:
             yield name, _blocks(tensor, name, config, permuted)
             continue
@@ -175,6 +195,28 @@ def _blocks(tensor: Any, name: str, config: ModelConfig, permuted: bool) -> Quan
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(raw)
     return QuantizedTensor(blocks, GGMLQuantizationType(tensor.tensor_type), shape)
+
+
+def _experts(path: Path, tensor: Any, name: str) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
+    """A stack (experts, n, k) as each expert's (n, k) matrix under its name: blocks as views
+    of the file's rows (an expert's rows are consecutive), floats dequantized."""
+    experts, n, k = _torch_shape(tensor)
+    raw = np.asarray(tensor.data)
+    if tensor.tensor_type in BLOCK_TYPES:
+        rows = raw.reshape(experts, n, -1)
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only map, as in _blocks
+            for expert in range(experts):
+                blocks = torch.from_numpy(rows[expert])
+                yield name.format(expert), QuantizedTensor(blocks, qtype, (n, k))
+        return
+    try:
+        array = dequantize(raw, tensor.tensor_type).reshape(experts, n, k)
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
+    for expert in range(experts):
+        yield name.format(expert), torch.from_numpy(np.array(array[expert]))
 
 
 def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
