@@ -8,6 +8,11 @@ server tokenizes as with it; the shape is hidden 2048, 24 layers, intermediate 8
 the work per token is that of a real model of this shape.
 
     .venv/bin/python benchmarks/random_llama.py OUT.gguf [--layers 24 --hidden 2048 ...]
+
+With --experts N the MLP of every layer is N experts of --intermediate, --experts-used of them
+per token, written as llama.cpp writes Mixtral ("llama" with an expert count, the router as
+ffn_gate_inp, each expert stack as one 3-D ffn_*_exps tensor), so that octavo and llama.cpp
+serve the same mixture-of-experts file.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=0)
+    parser.add_argument("--experts-used", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(argv)
     source = GGUFReader(find_default_model())
@@ -50,16 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     writer.add_rope_freq_base(100000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
+    if ns.experts:
+        writer.add_expert_count(ns.experts)
+        writer.add_expert_used_count(ns.experts_used)
     rng = np.random.default_rng(ns.seed)
     count = 0
 
-    def matrix(name: str, rows: int, cols: int) -> None:
+    def matrix(name: str, rows: int, cols: int, stack: int = 0) -> None:
+        """A (rows, cols) matrix, or with `stack` a (stack, rows, cols) stack of them."""
         nonlocal count
-        values = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        shape = (stack, rows, cols) if stack else (rows, cols)
+        values = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
         writer.add_tensor(
             name, quantize(values, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16
         )
-        count += rows * cols
+        count += values.size
 
     def vector(name: str, size: int) -> None:
         nonlocal count
@@ -75,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         matrix(f"blk.{i}.attn_v.weight", kv, ns.hidden)
         matrix(f"blk.{i}.attn_output.weight", ns.hidden, ns.hidden)
         vector(f"blk.{i}.ffn_norm.weight", ns.hidden)
+        if ns.experts:
+            matrix(f"blk.{i}.ffn_gate_inp.weight", ns.experts, ns.hidden)
+            matrix(f"blk.{i}.ffn_gate_exps.weight", ns.intermediate, ns.hidden, ns.experts)
+            matrix(f"blk.{i}.ffn_up_exps.weight", ns.intermediate, ns.hidden, ns.experts)
+            matrix(f"blk.{i}.ffn_down_exps.weight", ns.hidden, ns.intermediate, ns.experts)
+            continue
         matrix(f"blk.{i}.ffn_gate.weight", ns.intermediate, ns.hidden)
         matrix(f"blk.{i}.ffn_up.weight", ns.intermediate, ns.hidden)
         matrix(f"blk.{i}.ffn_down.weight", ns.hidden, ns.intermediate)
