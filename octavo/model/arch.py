@@ -110,6 +110,32 @@ def _llama_extras(config: ModelConfig) -> dict[str, Any]:
     return {**_one_attention_bias(config), "mlp_bias": config.mlp_bias}
 
 
+def _moe_extras(config: ModelConfig) -> dict[str, Any]:
+    """The expert keys of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (transformers 4's
+    names, which 5 reads as well)."""
+    if config.architecture == "MixtralForCausalLM":
+        if config.moe_intermediate_size != config.intermediate_size or not config.norm_topk_prob:
+            raise ValueError("Mixtral's experts are of intermediate_size and renormalised.")
+        return {
+            "num_local_experts": config.num_experts,
+            "num_experts_per_tok": config.num_experts_per_tok,
+        }
+    extras: dict[str, Any] = {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(config.dense_layers),
+    }
+    if config.architecture == "Qwen2MoeForCausalLM":
+        extras["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        extras["use_sliding_window"] = False
+    else:
+        extras.update(_one_attention_bias(config))
+    return extras
+
+
 _LLAMA_CLASS = "octavo.model.llama:LlamaForCausalLM"
 
 SPECS: tuple[ArchSpec, ...] = (
@@ -164,6 +190,7 @@ SPECS: tuple[ArchSpec, ...] = (
         gguf_name="qwen3moe",
         qk_norm=True,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
+        hf_config_extras=_moe_extras,
         moe="qwen",
     ),
     ArchSpec(
@@ -174,6 +201,7 @@ SPECS: tuple[ArchSpec, ...] = (
         qkv_bias=True,
         o_proj_bias=False,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
+        hf_config_extras=_moe_extras,
         moe="qwen2",
     ),
     ArchSpec(
@@ -182,6 +210,7 @@ SPECS: tuple[ArchSpec, ...] = (
         model_class=_LLAMA_CLASS,
         gguf_permute_qk=True,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
+        hf_config_extras=_moe_extras,
         moe="mixtral",
         hf_renames=(
             (".block_sparse_moe.", ".mlp."),

@@ -104,14 +104,23 @@ def write_hf_folder(
     (out / "config.json").write_text(_dump(hf_config_dict(config, dtype)))
     (out / "generation_config.json").write_text(_dump(generation_config_dict(config)))
     target = DTYPES[dtype]
+    renames = get_spec(config.architecture).hf_renames
     tensors = {
-        name: (
+        _checkpoint_name(name, renames): (
             t.dequantize(target) if isinstance(t, QuantizedTensor) else t.to(target)
         ).contiguous()
         for name, t in weights
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer_files(tokenizer, out, config.max_position_embeddings)
+
+
+def _checkpoint_name(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """octavo's module name -> the architecture's checkpoint name (ArchSpec.hf_renames
+    undone, last first)."""
+    for old, new in reversed(renames):
+        name = name.replace(new, old)
+    return name
 
 
 def hf_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:

@@ -212,3 +212,43 @@ def _quantize_expert_stacks(hf_model, types) -> dict:
             result[name] = blocks
             tensor.copy_(torch.from_numpy(dequantize(blocks, types[name]).reshape(tensor.shape)))
     return result
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "overrides"),
+    [
+        ("mixtral", "llama", {"num_local_experts": 4}),
+        ("qwen3_moe", "qwen3moe", {"num_experts": 4, "moe_intermediate_size": 32}),
+        (
+            "qwen2_moe",
+            "qwen2moe",
+            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        ),
+    ],
+)
+def test_octavo_convert_writes_a_folder_transformers_loads(
+    tmp_path, monkeypatch, model_type, arch, overrides
+):
+    """GGUF -> Hugging Face folder: config.json gets each family's expert keys and the tensors
+    their checkpoint names (Mixtral's block_sparse_moe.experts.N.w1/w2/w3), so transformers
+    loads the folder and computes the logits of the model the file was written from."""
+    import transformers
+
+    from octavo.model.convert import write_hf_folder
+    from octavo.model.loader.gguf import open_gguf_checkpoint
+
+    from .tiny import hf_logits, make_tiny_hf_model, write_tiny_gguf
+
+    hf_model = make_tiny_hf_model(model_type, num_experts_per_tok=2, **overrides)
+    write_tiny_gguf(tmp_path / "moe.gguf", hf_model, arch)
+    # convert_gguf's own path, less the tokenizer (the tiny file has none).
+    config, weights = open_gguf_checkpoint(tmp_path / "moe.gguf")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    monkeypatch.setattr("octavo.model.convert.save_tokenizer_files", lambda *args: None)
+    write_hf_folder(config, weights, None, folder, "float32")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokens = list(range(3, 12))
+    torch.testing.assert_close(
+        hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4
+    )
