@@ -191,6 +191,7 @@ SPECS: tuple[ArchSpec, ...] = (
         qk_norm=True,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         hf_config_extras=_moe_extras,
+        fused_decode_layer=True,
         moe="qwen",
     ),
     ArchSpec(
@@ -202,6 +203,7 @@ SPECS: tuple[ArchSpec, ...] = (
         o_proj_bias=False,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         hf_config_extras=_moe_extras,
+        fused_decode_layer=True,
         moe="qwen2",
     ),
     ArchSpec(
@@ -211,6 +213,7 @@ SPECS: tuple[ArchSpec, ...] = (
         gguf_permute_qk=True,
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         hf_config_extras=_moe_extras,
+        fused_decode_layer=True,
         moe="mixtral",
         hf_renames=(
             (".block_sparse_moe.", ".mlp."),

@@ -290,9 +290,9 @@ def _max_positions(config: Mapping[str, Any]) -> int:
 
 def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The mixture-of-experts fields of an HF config. kind "mixtral": every layer routes to
-    experts of `intermediate_size` and renormalises the chosen probabilities; "qwen": the
-    Qwen2/3-MoE keys (`moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`,
-    `mlp_only_layers`, Qwen2-MoE's shared expert). transformers 5 writes the expert count as
+    experts of `intermediate_size` and renormalises the chosen probabilities; "qwen"
+    (Qwen3-MoE) and "qwen2" (Qwen2-MoE, with its shared expert): `moe_intermediate_size`,
+    `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`. transformers 5 writes the count as
     `num_local_experts` for both, transformers 4 as `num_experts` for Qwen."""
     num_experts = config.get("num_experts") or _required(config, "num_local_experts")
     fields = {

@@ -122,8 +122,7 @@ def test_moe_configs_read_each_familys_keys():
 
 def test_mixtral_checkpoint_names_load_into_the_shared_modules(tmp_path):
     """Mixtral's checkpoints name experts block_sparse_moe.experts.N.w1/w2/w3; they land in
-    the same mlp.experts.N.gate_up_proj / down_proj as Qwen's, and the fused decode layer,
-    which has no experts, stays off."""
+    the same mlp.experts.N.gate_up_proj / down_proj as Qwen's."""
     hf_model = save_tiny_checkpoint(tmp_path, "mixtral", num_local_experts=3)
     model, backend = load(tmp_path)
     layer = model.model.layers[0]
@@ -133,21 +132,22 @@ def test_mixtral_checkpoint_names_load_into_the_shared_modules(tmp_path):
     # transformers 5 holds them stacked: gate_up_proj (experts, 2 * inter, hidden).
     torch.testing.assert_close(layer.mlp.experts[2].gate_up_proj.weight, hf_experts.gate_up_proj[2])
     torch.testing.assert_close(layer.mlp.experts[1].down_proj.weight, hf_experts.down_proj[1])
-    assert backend.fused_decode_layer == "off: MixtralForCausalLM does not use it"
+    assert backend.fused_decode_layer == "on"  # its attention half; the experts after it
 
 
-@pytest.mark.parametrize(
-    ("model_type", "arch", "overrides"),
-    [
-        ("mixtral", "llama", {"num_local_experts": 4}),
-        ("qwen3_moe", "qwen3moe", {"num_experts": 4, "moe_intermediate_size": 32}),
-        (
-            "qwen2_moe",
-            "qwen2moe",
-            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
-        ),
-    ],
-)
+# (transformers model_type, llama.cpp's GGUF architecture, config overrides) of each MoE family.
+GGUF_FAMILIES = [
+    ("mixtral", "llama", {"num_local_experts": 4}),
+    ("qwen3_moe", "qwen3moe", {"num_experts": 4, "moe_intermediate_size": 32}),
+    (
+        "qwen2_moe",
+        "qwen2moe",
+        {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    ),
+]
+
+
+@pytest.mark.parametrize(("model_type", "arch", "overrides"), GGUF_FAMILIES)
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_a_gguf_of_experts_gives_the_logits_of_its_float_reference(
     tmp_path, model_type, arch, overrides, qtype
@@ -214,18 +214,7 @@ def _quantize_expert_stacks(hf_model, types) -> dict:
     return result
 
 
-@pytest.mark.parametrize(
-    ("model_type", "arch", "overrides"),
-    [
-        ("mixtral", "llama", {"num_local_experts": 4}),
-        ("qwen3_moe", "qwen3moe", {"num_experts": 4, "moe_intermediate_size": 32}),
-        (
-            "qwen2_moe",
-            "qwen2moe",
-            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
-        ),
-    ],
-)
+@pytest.mark.parametrize(("model_type", "arch", "overrides"), GGUF_FAMILIES)
 def test_octavo_convert_writes_a_folder_transformers_loads(
     tmp_path, monkeypatch, model_type, arch, overrides
 ):

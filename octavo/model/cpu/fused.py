@@ -25,8 +25,16 @@ class FusedDecodeLayers:
     """The bound kernel arguments of every layer of one model; called by the model's forward
     for an all-decode step of the CPU paged attention backend."""
 
-    def __init__(self, layer_args: list[tuple], max_rows: int | None) -> None:
+    def __init__(
+        self,
+        layer_args: list[tuple],
+        max_rows: int | None,
+        feed_forwards: list[nn.Module | None] | None = None,
+    ) -> None:
         self.layer_args = layer_args
+        # Per layer, the feed-forward that runs after the kernel's call (a mixture of experts,
+        # whose kernel arguments have no MLP parts), or None where the kernel runs the MLP.
+        self.feed_forwards = feed_forwards or [None] * len(layer_args)
         # Rows up to which a step runs fused: the least max_rows of the block weights (above
         # it they are multiplied by torch's GEMM, which only the layers' own forward does);
         # None: any number (packed weights only).
@@ -46,7 +54,9 @@ class FusedDecodeLayers:
         # A zero residual makes the first layer's add a no-op (x + 0 == x), so its norm sees
         # what the unfused first layer's does.
         residual = torch.zeros_like(hidden)
-        for args, kv_cache in zip(self.layer_args, kv_caches, strict=True):
+        for args, kv_cache, feed_forward in zip(
+            self.layer_args, kv_caches, self.feed_forwards, strict=True
+        ):
             hidden = ops.decode_layer(
                 hidden,
                 residual,
@@ -58,14 +68,19 @@ class FusedDecodeLayers:
                 decode.block_table,
                 decode.seq_lens,
             )
+            if feed_forward is not None:
+                hidden = feed_forward(hidden)
         return hidden, residual
 
 
 def incompatibility(model: nn.Module) -> str | None:
     """Why the fused layer cannot run this loaded model, or None if it can: the architecture
     opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
-    one eps per layer, and every projection packed or in block kernel parts (kernel_parts)."""
+    one eps per layer, and every projection packed or in block kernel parts (kernel_parts).
+    A mixture of experts in place of the MLP runs after the kernel's call (the attention
+    half), in its own forward."""
     from octavo.model.layers.mlp import GatedMLP
+    from octavo.model.layers.moe import SparseMoE
     from octavo.model.llama import LlamaDecoderLayer
 
     config = model.config
@@ -76,7 +91,7 @@ def incompatibility(model: nn.Module) -> str | None:
     for layer in model.model.layers:
         if type(layer) is not LlamaDecoderLayer:
             return f"{type(layer).__name__} is not the Llama decoder layer"
-        if not isinstance(layer.mlp, GatedMLP):
+        if not isinstance(layer.mlp, (GatedMLP, SparseMoE)):
             return f"{type(layer.mlp).__name__} in place of the gated MLP"
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qk_norm:
@@ -86,10 +101,18 @@ def incompatibility(model: nn.Module) -> str | None:
             return "norm weights are not float32"
         if norms[0].eps != norms[1].eps:
             return "the layer's two norms differ in eps"
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for linear in (attn.qkv_proj, attn.o_proj, *_kernel_mlp(mlp)):
             if kernel_parts(linear.weight_format) is None:
                 return f"a projection's weight format is {linear.weight_format.name}"
     return None
+
+
+def _kernel_mlp(mlp: nn.Module) -> tuple[nn.Module, ...]:
+    """The MLP's projections the kernel runs: a gated MLP's two, none of a mixture of
+    experts (which runs after the kernel's call)."""
+    from octavo.model.layers.moe import SparseMoE
+
+    return () if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
 
 
 def kernel_parts(fmt: LinearWeight) -> list[tuple[Tensor, int, int, int | None]] | None:
@@ -116,11 +139,16 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
     incompatibility(model) is None."""
     layer_args = []
     limits = []
+    feed_forwards = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kernel_mlp = _kernel_mlp(mlp)
+        feed_forwards.append(None if kernel_mlp else mlp)
+        projections = (attn.qkv_proj, attn.o_proj, *kernel_mlp)
         parts = [kernel_parts(linear.weight_format) for linear in projections]
+        parts += [[] for _ in range(4 - len(parts))]  # no MLP parts: the MLP runs after
+        biases = [linear.bias for linear in projections] + [None] * (4 - len(projections))
         flat = [part for projection in parts for part in projection]
         limits += [part[3] for part in flat if part[3] is not None]
         layer_args.append(
@@ -132,11 +160,11 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 [part[1] for part in flat],
                 [part[2] for part in flat],
                 [len(projection) for projection in parts],
-                *(linear.bias for linear in projections),
+                *biases,
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,
                 attn.attn.scale,
             )
         )
-    return FusedDecodeLayers(layer_args, min(limits) if limits else None)
+    return FusedDecodeLayers(layer_args, min(limits) if limits else None, feed_forwards)

@@ -13,6 +13,7 @@ namespace octavo {
 //   x <- paged_attention(q) @ Wo^T + b
 //   residual <- x + residual; x <- post_norm(residual)
 //   returns down(silu(gate(x)) * up(x))
+// With no parts for gate_up and down it returns post_norm's output (the caller's MLP follows).
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
 // pack_linear_weight (packed_linear, one part), else the GGML block type id, repacked or not, of
@@ -62,6 +63,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                                                  scale);
   at::Tensor x = linear(attn.view({num_tokens, q_size}), 1, o_bias);
   rms_norm(x, residual, post_norm, eps, true);
+  // No MLP parts: the caller runs the layer's feed-forward itself (a mixture of experts).
+  if (parts[2] == 0 && parts[3] == 0) return x;
   const at::Tensor gate_up = linear(x, 2, gate_up_bias);
   return linear(silu_and_mul(gate_up), 3, down_bias);
 }
