@@ -4,8 +4,9 @@ Each token's router logits (`gate`, hidden -> num_experts) become probabilities 
 the top k experts' probabilities, renormalised over those k where the config says so, weight
 the outputs of those experts. The step's tokens are grouped by expert (one stable sort of the
 (token, choice) pairs), so each expert that any token chose runs once, on all of its tokens,
-and streams its weights once per step; nothing loops over tokens. The contributions are summed
-per token in ascending expert order, as transformers sums them. Qwen2-MoE adds a shared expert
+and streams its weights once per step; nothing loops over tokens (a step of one token, a
+single stream's decode, runs its k experts in turn instead, for fewer torch calls). The
+contributions are summed per token in ascending expert order, as transformers sums them. Qwen2-MoE adds a shared expert
 that every token runs, scaled by sigmoid(shared_expert_gate(x)).
 
 Every expert is a GatedMLP with its own Linear layers, so each gets a weight format from the
