@@ -22,6 +22,7 @@ from octavo.model.backends.cpu import CpuPagedAttention
 from octavo.model.backends.sdpa import SdpaAttention
 from octavo.model.config import ModelConfig
 from octavo.model.cpu import build, ops
+from octavo.model.cpu.fused import MoeFeedForward
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.model.loader import find_default_model
 
@@ -172,8 +173,15 @@ def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypat
     prompts = {"a": _tokens(9, seed=5), "b": _tokens(6, seed=6), "c": _tokens(13, seed=7)}
     fused, plain = PagedHarness(model, backend, seed=3), PagedHarness(model, backend, seed=3)
     steps = [prompts] + [{r: [3 + step + i] for i, r in enumerate(prompts)} for step in range(5)]
+    steps.append({"b": [42]})  # one row alone (an MoE's one-token path)
     fused_logits = [fused.step(scheduled) for scheduled in steps]
-    assert len(calls) == (5 * model.config.num_hidden_layers if supported else 0)
+    assert len(calls) == (6 * model.config.num_hidden_layers if supported else 0)
+    if supported and model.config.num_experts:
+        # Experts without a shared one run as one moe_feed_forward call per layer.
+        kernels = [isinstance(f, MoeFeedForward) for f in model.model.fused_decode.feed_forwards]
+        moe_layers = [model.config.is_moe_layer(i) for i in range(len(kernels))]
+        shared = bool(model.config.shared_expert_intermediate_size)
+        assert kernels == [is_moe and not shared for is_moe in moe_layers]
     model.model.fused_decode = None
     for scheduled, expected in zip(steps, fused_logits, strict=True):
         out = plain.step(scheduled)

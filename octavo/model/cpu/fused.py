@@ -78,7 +78,7 @@ def incompatibility(model: nn.Module) -> str | None:
     opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
     one eps per layer, and every projection packed or in block kernel parts (kernel_parts).
     A mixture of experts in place of the MLP runs after the kernel's call (the attention
-    half), in its own forward."""
+    half): as one moe_feed_forward call where its weights allow, else in its own forward."""
     from octavo.model.layers.mlp import GatedMLP
     from octavo.model.layers.moe import SparseMoE
     from octavo.model.llama import LlamaDecoderLayer
@@ -115,6 +115,40 @@ def _kernel_mlp(mlp: nn.Module) -> tuple[nn.Module, ...]:
     return () if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
 
 
+class MoeFeedForward:
+    """A mixture of experts as one ops.moe_feed_forward call, its weights bound."""
+
+    def __init__(self, args: tuple, limits: list[int]) -> None:
+        self.args = args
+        self.limits = limits
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        return ops.moe_feed_forward(hidden, self.args)
+
+
+def _moe_kernel(mlp: nn.Module) -> MoeFeedForward | None:
+    """The kernel call for a mixture of experts whose router and experts are all packed or in
+    block kernel parts, with no shared expert; None where it must run its own forward."""
+    if mlp.shared_expert is not None:
+        return None
+    linears = [mlp.gate]
+    for expert in mlp.experts:
+        linears += [expert.gate_up_proj, expert.down_proj]
+    parts = [kernel_parts(linear.weight_format) for linear in linears]
+    if any(p is None for p in parts):
+        return None
+    flat = [part for projection in parts for part in projection]
+    args = (
+        [part[0] for part in flat],
+        [part[1] for part in flat],
+        [part[2] for part in flat],
+        [len(projection) for projection in parts],
+        mlp.top_k,
+        mlp.renormalize,
+    )
+    return MoeFeedForward(args, [part[3] for part in flat if part[3] is not None])
+
+
 def kernel_parts(fmt: LinearWeight) -> list[tuple[Tensor, int, int, int | None]] | None:
     """A projection's weight as the kernel's parts: (weight, kind, rows, max_rows) each, kind
     -1 for packed panels (max_rows None: the kernel takes any batch) or the block type id the
@@ -144,7 +178,10 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         kernel_mlp = _kernel_mlp(mlp)
-        feed_forwards.append(None if kernel_mlp else mlp)
+        moe = None if kernel_mlp else _moe_kernel(mlp)
+        if moe is not None:
+            limits += moe.limits
+        feed_forwards.append(None if kernel_mlp else (moe or mlp))
         projections = (attn.qkv_proj, attn.o_proj, *kernel_mlp)
         parts = [kernel_parts(linear.weight_format) for linear in projections]
         parts += [[] for _ in range(4 - len(parts))]  # no MLP parts: the MLP runs after

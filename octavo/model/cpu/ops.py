@@ -165,6 +165,14 @@ def decode_layer(
     )
 
 
+def moe_feed_forward(x: Tensor, moe_args: tuple) -> Tensor:
+    """A mixture-of-experts feed-forward (SparseMoE without a shared expert) over decode rows
+    as one call, the same kernel and torch calls in the same order as its Python forward (same
+    results). moe_args: (weights, kinds, rows, parts, top_k, renormalize), parts the router's
+    count, then each expert's gate_up and down (fused.py binds them)."""
+    return torch.ops.octavo.moe_feed_forward(x, *moe_args)
+
+
 def heads_contiguous(x: Tensor) -> bool:
     """Whether each token's heads of x (..., num_heads, head_dim) lie one after another, as the
     kernels that take views into a wider projection read them."""

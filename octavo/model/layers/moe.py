@@ -6,8 +6,8 @@ the outputs of those experts. The step's tokens are grouped by expert (one stabl
 (token, choice) pairs), so each expert that any token chose runs once, on all of its tokens,
 and streams its weights once per step; nothing loops over tokens (a step of one token, a
 single stream's decode, runs its k experts in turn instead, for fewer torch calls). The
-contributions are summed per token in ascending expert order, as transformers sums them. Qwen2-MoE adds a shared expert
-that every token runs, scaled by sigmoid(shared_expert_gate(x)).
+contributions are summed per token in ascending expert order, as transformers sums them.
+Qwen2-MoE adds a shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)).
 
 Every expert is a GatedMLP with its own Linear layers, so each gets a weight format from the
 backend like any dense layer (packed for the decode kernel, GGML blocks, dense) and the

@@ -1,4 +1,11 @@
-// A whole Llama-style decoder layer for decode rows, as one call of the other kernels.
+// A whole Llama-style decoder layer for decode rows, as one call of the other kernels, and a
+// mixture-of-experts feed-forward the same way.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -67,6 +74,70 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   if (parts[2] == 0 && parts[3] == 0) return x;
   const at::Tensor gate_up = linear(x, 2, gate_up_bias);
   return linear(silu_and_mul(gate_up), 3, down_bias);
+}
+
+// A mixture-of-experts feed-forward over decode rows (SparseMoE in
+// octavo/model/layers/moe.py, without a shared expert), as the same kernel and ATen calls in
+// the same order as its Python forward, so the results are the same bit for bit: the
+// router's logits, softmax in float32, top-k, renormalised if asked; one row runs its experts
+// in ascending order (scale, then add); more rows are grouped by expert (a stable sort of
+// the (row, choice) pairs), each expert runs once on its rows, and the scaled outputs are
+// summed per row in that order. weights, kinds and rows as for decode_layer; parts: the
+// router's count, then each expert's gate_up and down.
+at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                            at::IntArrayRef rows, at::IntArrayRef parts, int64_t top_k,
+                            bool renormalize) {
+  const int64_t num_experts = (static_cast<int64_t>(parts.size()) - 1) / 2;
+  TORCH_CHECK(num_experts > 0 && static_cast<int64_t>(parts.size()) == 1 + 2 * num_experts,
+              "moe_feed_forward: parts of the router and of each expert's two projections");
+  std::vector<int64_t> first(parts.size() + 1, 0);
+  for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
+  TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
+                  kinds.size() == weights.size() && rows.size() == weights.size(),
+              "moe_feed_forward: one kind and row count per weight part");
+  TORCH_CHECK(0 < top_k && top_k <= num_experts, "moe_feed_forward: top_k of ", num_experts);
+  auto linear = [&](const at::Tensor& in, int64_t projection) {
+    const int64_t begin = first[projection], count = parts[projection];
+    return kinds[begin] < 0
+               ? packed_linear(in, weights[begin], rows[begin])
+               : quant_linear_parts(in, weights.slice(begin, count), kinds.slice(begin, count),
+                                    rows.slice(begin, count));
+  };
+  auto expert = [&](const at::Tensor& in, int64_t e) {
+    return linear(silu_and_mul(linear(in, 1 + 2 * e)), 2 + 2 * e);
+  };
+  const at::Tensor probs = linear(x, 0).to(at::kFloat).softmax(-1);
+  auto [chosen_weights, chosen] = probs.topk(top_k, -1);
+  if (renormalize) chosen_weights = chosen_weights.div(chosen_weights.sum(-1, true));
+  chosen_weights = chosen_weights.to(x.scalar_type());
+  if (x.size(0) == 1) {
+    std::vector<std::pair<int64_t, double>> order;
+    const at::Tensor ids = chosen[0].contiguous(), scales = chosen_weights[0].to(at::kDouble);
+    for (int64_t j = 0; j < top_k; ++j) {
+      order.emplace_back(ids[j].item<int64_t>(), scales[j].item<double>());
+    }
+    std::sort(order.begin(), order.end());
+    at::Tensor out;
+    for (const auto& [e, scale] : order) {
+      at::Tensor y = expert(x, e).mul_(scale);
+      out = out.defined() ? out.add_(y) : y;
+    }
+    return out;
+  }
+  const at::Tensor choices = chosen.flatten();
+  const at::Tensor order = at::argsort(choices, /*stable=*/true, 0, false);
+  const at::Tensor tokens = order.div(top_k, "floor");
+  const at::Tensor counts = at::bincount(choices, {}, num_experts).to(at::kLong).contiguous();
+  const at::Tensor grouped = x.index_select(0, tokens);
+  at::Tensor outputs = at::empty_like(grouped);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+    if (count[e] == 0) continue;
+    outputs.narrow(0, start, count[e]).copy_(expert(grouped.narrow(0, start, count[e]), e));
+    start += count[e];
+  }
+  outputs.mul_(chosen_weights.flatten().index_select(0, order).unsqueeze(1));
+  return at::zeros_like(x).index_add_(0, tokens, outputs);
 }
 
 }  // namespace octavo

@@ -58,6 +58,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& seq_lens);
+at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                            at::IntArrayRef rows, at::IntArrayRef parts, int64_t top_k,
+                            bool renormalize);
 
 // sampling.cpp
 at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform);

@@ -75,6 +75,9 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
+  m.def(
+      "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
+      "int top_k, bool renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
@@ -91,4 +94,5 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("sample_categorical", &octavo::sample_categorical);
   m.impl("write_kv_cache", &octavo::write_kv_cache);
   m.impl("decode_layer", &octavo::decode_layer);
+  m.impl("moe_feed_forward", &octavo::moe_feed_forward);
 }
