@@ -137,16 +137,21 @@ def _moe_kernel(mlp: nn.Module) -> MoeFeedForward | None:
     parts = [kernel_parts(linear.weight_format) for linear in linears]
     if any(p is None for p in parts):
         return None
+    weights, limits = _kernel_args(parts)
+    return MoeFeedForward((*weights, mlp.top_k, mlp.renormalize), limits)
+
+
+def _kernel_args(parts: list[list[tuple]]) -> tuple[tuple[list, list, list, list], list[int]]:
+    """Projections' kernel parts (kernel_parts each) as the kernels take them: (weights,
+    kinds, rows, each projection's count), and the max_rows of those that have one."""
     flat = [part for projection in parts for part in projection]
     args = (
         [part[0] for part in flat],
         [part[1] for part in flat],
         [part[2] for part in flat],
         [len(projection) for projection in parts],
-        mlp.top_k,
-        mlp.renormalize,
     )
-    return MoeFeedForward(args, [part[3] for part in flat if part[3] is not None])
+    return args, [part[3] for part in flat if part[3] is not None]
 
 
 def kernel_parts(fmt: LinearWeight) -> list[tuple[Tensor, int, int, int | None]] | None:
@@ -186,17 +191,14 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
         parts = [kernel_parts(linear.weight_format) for linear in projections]
         parts += [[] for _ in range(4 - len(parts))]  # no MLP parts: the MLP runs after
         biases = [linear.bias for linear in projections] + [None] * (4 - len(projections))
-        flat = [part for projection in parts for part in projection]
-        limits += [part[3] for part in flat if part[3] is not None]
+        weights, weight_limits = _kernel_args(parts)
+        limits += weight_limits
         layer_args.append(
             (
                 norms[0].weight,
                 norms[1].weight,
                 norms[0].eps,
-                [part[0] for part in flat],
-                [part[1] for part in flat],
-                [part[2] for part in flat],
-                [len(projection) for projection in parts],
+                *weights,
                 *biases,
                 attn.num_heads,
                 attn.num_kv_heads,
