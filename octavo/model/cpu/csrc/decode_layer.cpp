@@ -10,6 +10,35 @@
 #include "ops.h"
 
 namespace octavo {
+namespace {
+
+// Projections given as parts (see decode_layer): projection p is parts[p] consecutive entries
+// of weights / kinds / rows, packed panels (kind -1, one part) or GGML blocks of one or more
+// types, each multiplied by its kernel in one call.
+struct Projections {
+  at::TensorList weights;
+  at::IntArrayRef kinds, rows, parts;
+  std::vector<int64_t> first;  // each projection's first entry
+
+  Projections(at::TensorList weights_, at::IntArrayRef kinds_, at::IntArrayRef rows_,
+              at::IntArrayRef parts_, const char* op)
+      : weights(weights_), kinds(kinds_), rows(rows_), parts(parts_), first(parts_.size() + 1, 0) {
+    for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
+    TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
+                    kinds.size() == weights.size() && rows.size() == weights.size(),
+                op, ": one kind and row count per weight part");
+  }
+
+  at::Tensor operator()(const at::Tensor& x, int64_t projection) const {
+    const int64_t begin = first[projection], count = parts[projection];
+    return kinds[begin] < 0
+               ? packed_linear(x, weights[begin], rows[begin])
+               : quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),
+                                    rows.slice(begin, count));
+  }
+};
+
+}  // namespace
 
 // A Llama-style layer (octavo/model/llama.py, LlamaDecoderLayer with a residual) over rows that
 // are all single-token decodes, as one call of the kernels above in the order the Python layer
@@ -40,18 +69,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(parts.size() == 4, "decode_layer: parts of four projections");
-  int64_t first[5] = {0};
-  for (int p = 0; p < 4; ++p) first[p + 1] = first[p] + parts[p];
-  TORCH_CHECK(first[4] == static_cast<int64_t>(weights.size()) &&
-                  kinds.size() == weights.size() && rows.size() == weights.size(),
-              "decode_layer: one kind and row count per weight part");
+  const Projections projections(weights, kinds, rows, parts, "decode_layer");
   auto linear = [&](const at::Tensor& x, int projection, const c10::optional<at::Tensor>& bias) {
-    const int64_t begin = first[projection], count = parts[projection];
-    // Packed weights are one part; block weights of one or more types one call.
-    at::Tensor out = kinds[begin] < 0
-                         ? packed_linear(x, weights[begin], rows[begin])
-                         : quant_linear_parts(x, weights.slice(begin, count),
-                                              kinds.slice(begin, count), rows.slice(begin, count));
+    at::Tensor out = projections(x, projection);
     if (bias.has_value()) out.add_(*bias);
     return out;
   };
@@ -90,19 +110,8 @@ at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::Int
   const int64_t num_experts = (static_cast<int64_t>(parts.size()) - 1) / 2;
   TORCH_CHECK(num_experts > 0 && static_cast<int64_t>(parts.size()) == 1 + 2 * num_experts,
               "moe_feed_forward: parts of the router and of each expert's two projections");
-  std::vector<int64_t> first(parts.size() + 1, 0);
-  for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
-  TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
-                  kinds.size() == weights.size() && rows.size() == weights.size(),
-              "moe_feed_forward: one kind and row count per weight part");
+  const Projections linear(weights, kinds, rows, parts, "moe_feed_forward");
   TORCH_CHECK(0 < top_k && top_k <= num_experts, "moe_feed_forward: top_k of ", num_experts);
-  auto linear = [&](const at::Tensor& in, int64_t projection) {
-    const int64_t begin = first[projection], count = parts[projection];
-    return kinds[begin] < 0
-               ? packed_linear(in, weights[begin], rows[begin])
-               : quant_linear_parts(in, weights.slice(begin, count), kinds.slice(begin, count),
-                                    rows.slice(begin, count));
-  };
   auto expert = [&](const at::Tensor& in, int64_t e) {
     return linear(silu_and_mul(linear(in, 1 + 2 * e)), 2 + 2 * e);
   };
@@ -127,7 +136,7 @@ at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::Int
   const at::Tensor choices = chosen.flatten();
   const at::Tensor order = at::argsort(choices, /*stable=*/true, 0, false);
   const at::Tensor tokens = order.div(top_k, "floor");
-  const at::Tensor counts = at::bincount(choices, {}, num_experts).to(at::kLong).contiguous();
+  const at::Tensor counts = at::bincount(choices, {}, num_experts).contiguous();
   const at::Tensor grouped = x.index_select(0, tokens);
   at::Tensor outputs = at::empty_like(grouped);
   const int64_t* count = counts.data_ptr<int64_t>();
