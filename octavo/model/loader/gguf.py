@@ -169,17 +169,32 @@ def _iter_tensors(
         if tensor.tensor_type in BLOCK_TYPES:
             yield name, _blocks(tensor, name, config, permuted)
             continue
-        try:
-            # A plain ndarray view of the memmap: slicing a np.memmap subclass in the
-            # dequantiser's inner loops costs more than the arithmetic.
-            raw = np.asarray(tensor.data)
-            array = dequantize(raw, tensor.tensor_type).reshape(_torch_shape(tensor))
-        except (ValueError, NotImplementedError) as exc:
-            raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
+        array = _dequantized(path, tensor)
         if permuted:
             array = _unpermute_qk(array, name, config)
         # from_numpy shares memory; F32 tensors come straight from the read-only memmap.
         yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _dequantized(path: Path, tensor: Any) -> np.ndarray:
+    """A float-type tensor's values in its torch shape."""
+    try:
+        # A plain ndarray view of the memmap: slicing a np.memmap subclass in the
+        # dequantiser's inner loops costs more than the arithmetic.
+        raw = np.asarray(tensor.data)
+        return dequantize(raw, tensor.tensor_type).reshape(_torch_shape(tensor))
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
+
+
+def _block_rows(raw: np.ndarray, tensor: Any, shape: tuple[int, int]) -> QuantizedTensor:
+    """(rows, row bytes) of the file's memory map as a QuantizedTensor of `shape`."""
+    with warnings.catch_warnings():
+        # The map is read-only and so is everything octavo does with blocks; the backend
+        # copies them into memory of its own before the file is closed.
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(raw)
+    return QuantizedTensor(blocks, GGMLQuantizationType(tensor.tensor_type), shape)
 
 
 def _blocks(tensor: Any, name: str, config: ModelConfig, permuted: bool) -> QuantizedTensor:
@@ -189,32 +204,19 @@ def _blocks(tensor: Any, name: str, config: ModelConfig, permuted: bool) -> Quan
     raw = np.asarray(tensor.data).reshape(shape[0], -1)
     if permuted:
         raw = _unpermute_qk(raw, name, config)
-    with warnings.catch_warnings():
-        # The map is read-only and so is everything octavo does with blocks; the backend
-        # copies them into memory of its own before the file is closed.
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(raw)
-    return QuantizedTensor(blocks, GGMLQuantizationType(tensor.tensor_type), shape)
+    return _block_rows(raw, tensor, shape)
 
 
 def _experts(path: Path, tensor: Any, name: str) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
     """A stack (experts, n, k) as each expert's (n, k) matrix under its name: blocks as views
     of the file's rows (an expert's rows are consecutive), floats dequantized."""
     experts, n, k = _torch_shape(tensor)
-    raw = np.asarray(tensor.data)
     if tensor.tensor_type in BLOCK_TYPES:
-        rows = raw.reshape(experts, n, -1)
-        qtype = GGMLQuantizationType(tensor.tensor_type)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only map, as in _blocks
-            for expert in range(experts):
-                blocks = torch.from_numpy(rows[expert])
-                yield name.format(expert), QuantizedTensor(blocks, qtype, (n, k))
+        rows = np.asarray(tensor.data).reshape(experts, n, -1)
+        for expert in range(experts):
+            yield name.format(expert), _block_rows(rows[expert], tensor, (n, k))
         return
-    try:
-        array = dequantize(raw, tensor.tensor_type).reshape(experts, n, k)
-    except (ValueError, NotImplementedError) as exc:
-        raise ModelLoadError(f"{path}: cannot dequantise {tensor.name!r} ({exc}).") from None
+    array = _dequantized(path, tensor)
     for expert in range(experts):
         yield name.format(expert), torch.from_numpy(np.array(array[expert]))
 
