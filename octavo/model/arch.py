@@ -72,16 +72,24 @@ class ArchSpec:
     # another's (Mistral is written as "llama").
     gguf_name: str | None = None
     # What the architecture fixes whatever config.json says: biases on q/k/v (None: the
-    # config's `attention_bias`) and on o_proj (None: the same as q/k/v), and an RMSNorm over
-    # head_dim on every q and k head before RoPE (Qwen3).
+    # config's `attention_bias`) and on o_proj (None: the same as q/k/v), and RMSNorms on q
+    # and k before RoPE: "head" over head_dim on every head (Qwen3, Gemma 3), "full" over the
+    # whole projections (OLMo 2, OLMoE), "" none.
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
-    qk_norm: bool = False
+    qk_norm: str = ""
     # llama.cpp's converter interleaves the two halves of each head's q/k rows (its RoPE pairs
     # dimensions 2i and 2i + 1); the loader undoes it for these architectures.
     gguf_permute_qk: bool = False
     gguf_global_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_GLOBAL_NAMES)
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    # What a GGUF file of this architecture implies that its metadata does not say, as HF
+    # config keys (Gemma's activation, Gemma 3's local RoPE base and layer pattern, as
+    # llama.cpp fixes them).
+    gguf_implied: Mapping[str, Any] = field(default_factory=dict)
+    # llama.cpp's converter adds this to every norm weight (Gemma's 1 + w); the loader takes
+    # it off again, so that the model reads the checkpoint's convention from either source.
+    gguf_norm_offset: float = 0.0
     # config.json keys `octavo convert` writes for this model_type beyond the shared ones; may
     # raise ValueError where transformers has no field for what the model does.
     hf_config_extras: Callable[[ModelConfig], dict[str, Any]] = lambda config: {}
@@ -136,7 +144,23 @@ def _moe_extras(config: ModelConfig) -> dict[str, Any]:
     return extras
 
 
+def _not_written(config: ModelConfig) -> dict[str, Any]:
+    raise ValueError(f"octavo convert does not write {config.architecture} folders yet.")
+
+
 _LLAMA_CLASS = "octavo.model.llama:LlamaForCausalLM"
+
+# The post-norm families' tensor names (llama.cpp: post_attention_norm, ffn_norm before the
+# MLP, post_ffw_norm after it).
+_SANDWICH_GGUF_LAYER_NAMES = MappingProxyType(
+    {
+        **LLAMA_GGUF_LAYER_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+)
+_GEMMA_GGUF = MappingProxyType({"hidden_activation": "gelu_pytorch_tanh"})
 
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec(
@@ -176,7 +200,7 @@ SPECS: tuple[ArchSpec, ...] = (
         model_type="qwen3",
         model_class=_LLAMA_CLASS,
         gguf_name="qwen3",
-        qk_norm=True,
+        qk_norm="head",
         hf_config_extras=_one_attention_bias,
         fused_decode_layer=True,
     ),
@@ -188,7 +212,7 @@ SPECS: tuple[ArchSpec, ...] = (
         model_type="qwen3_moe",
         model_class=_LLAMA_CLASS,
         gguf_name="qwen3moe",
-        qk_norm=True,
+        qk_norm="head",
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         hf_config_extras=_moe_extras,
         fused_decode_layer=True,
@@ -221,6 +245,61 @@ SPECS: tuple[ArchSpec, ...] = (
             (".w3.", ".up_proj."),
             (".w2.", ".down_proj."),
         ),
+    ),
+    # Gemma 2, Gemma 3 (text), OLMo 2: norms after each sublayer (model/gemma.py). llama.cpp
+    # rotates their q/k as transformers does (no permutation).
+    ArchSpec(
+        name="Gemma2ForCausalLM",
+        model_type="gemma2",
+        model_class="octavo.model.gemma:Gemma2ForCausalLM",
+        gguf_name="gemma2",
+        gguf_layer_names=_SANDWICH_GGUF_LAYER_NAMES,
+        gguf_implied=_GEMMA_GGUF,
+        gguf_norm_offset=1.0,
+        hf_config_extras=_not_written,
+    ),
+    ArchSpec(
+        name="Gemma3ForCausalLM",
+        model_type="gemma3_text",
+        model_class="octavo.model.gemma:Gemma2ForCausalLM",
+        gguf_name="gemma3",
+        qk_norm="head",
+        gguf_layer_names=_SANDWICH_GGUF_LAYER_NAMES,
+        gguf_implied=MappingProxyType(
+            {**_GEMMA_GGUF, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+        ),
+        gguf_norm_offset=1.0,
+        hf_config_extras=_not_written,
+    ),
+    ArchSpec(
+        name="Olmo2ForCausalLM",
+        model_type="olmo2",
+        model_class="octavo.model.gemma:Olmo2ForCausalLM",
+        gguf_name="olmo2",
+        qk_norm="full",
+        gguf_layer_names=_SANDWICH_GGUF_LAYER_NAMES,
+        hf_config_extras=_not_written,
+    ),
+    # Granite: Llama with four scalars (ModelConfig's multipliers).
+    ArchSpec(
+        name="GraniteForCausalLM",
+        model_type="granite",
+        model_class=_LLAMA_CLASS,
+        gguf_name="granite",
+        gguf_permute_qk=True,
+        hf_config_extras=_not_written,
+    ),
+    # OLMoE: Llama-style pre-norms, q/k norms over whole projections, 64 experts of
+    # intermediate_size each.
+    ArchSpec(
+        name="OlmoeForCausalLM",
+        model_type="olmoe",
+        model_class=_LLAMA_CLASS,
+        gguf_name="olmoe",
+        qk_norm="full",
+        gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
+        hf_config_extras=_not_written,
+        moe="olmoe",
     ),
 )
 

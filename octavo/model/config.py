@@ -12,17 +12,16 @@ into a ModelLoadError.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from octavo.model.arch import get_gguf_spec, get_spec
 
-logger = logging.getLogger(__name__)
-
 # RoPE variants whose inverse frequencies octavo computes (HF `rope_type` names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The MLP activations (HF's hidden_act names; Gemma's GeGLU is the tanh GELU).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -46,8 +45,9 @@ class ModelConfig:
     # Bias on o_proj (Llama and Qwen3 tie it to `attention_bias`; Qwen2 has none).
     attention_out_bias: bool
     mlp_bias: bool
-    # RMSNorm over head_dim applied to each q and k head before RoPE (Qwen3).
-    qk_norm: bool
+    # RMSNorm on q and k before RoPE: "head" over head_dim on every head (Qwen3, Gemma 3),
+    # "full" over the whole q and k projections (OLMo 2, OLMoE); "" none.
+    qk_norm: str
     # The MLP's activation (HF's hidden_act name).
     hidden_act: str
     bos_token_id: int | None
@@ -71,6 +71,23 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # Attention per layer: the layers in sliding_layers see only the last sliding_window
+    # positions (transformers' sliding window; 0: none), with their own RoPE where local_rope
+    # gives (theta, scaling) (Gemma 3's local base). attention_scale multiplies q.k (None:
+    # head_dim ** -0.5); attention scores and final logits are soft-capped, cap * tanh(x / cap),
+    # where a cap is set (Gemma 2; 0: none).
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    local_rope: tuple[float, dict | None] | None = None
+    attention_scale: float | None = None
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # Scalars of the residual stream: embeddings times embedding_multiplier (Granite's; Gemma's
+    # sqrt(hidden_size)), each attention and MLP output times residual_multiplier before its
+    # residual add, logits divided by logits_scaling (Granite).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +119,15 @@ class ModelConfig:
                 f"(got {self.moe_intermediate_size})."
             )
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of decoder layer `layer` (0-based), 0 for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the layers (empty: every layer sees everything)."""
+        return (self.sliding_window,) if self.sliding_layers else ()
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has the experts, not the dense MLP."""
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -130,13 +156,17 @@ class ModelConfig:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         architecture = architectures[0]
         spec = get_spec(architecture)
-        hidden_act = config.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu').")
+        hidden_act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act={hidden_act!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})."
+            )
 
         num_heads = _required(config, "num_attention_heads")
         hidden_size = _required(config, "hidden_size")
-        rope_theta, rope_scaling = _resolve_rope(config)
+        num_layers = _required(config, "num_hidden_layers")
+        rope_theta, rope_scaling = _resolve_rope(_global_rope(config))
         attention_bias = bool(config.get("attention_bias", False))
         if spec.qkv_bias is not None:
             attention_bias = spec.qkv_bias
@@ -151,14 +181,14 @@ class ModelConfig:
             vocab_size=_required(config, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_required(config, "intermediate_size"),
-            num_hidden_layers=_required(config, "num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden_size // num_heads,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_max_positions(config),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
@@ -170,6 +200,8 @@ class ModelConfig:
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
             sampling_defaults=_sampling_defaults(generation_config),
             **(_moe_fields(config, spec.moe) if spec.moe else {}),
+            **_attention_fields(config, num_layers, spec.model_type),
+            **_scalar_fields(config, spec.model_type, hidden_size),
         )
 
     # ---------------------------------------------------------------- GGUF metadata
@@ -214,14 +246,20 @@ class ModelConfig:
         num_experts = get("expert_count") or 0
         if num_experts:
             # llama.cpp's MoE keys; its graphs renormalise the chosen experts' weights for
-            # Mixtral and Qwen3-MoE and not for Qwen2-MoE, unless the file says otherwise.
+            # Mixtral and Qwen3-MoE and not for Qwen2-MoE or OLMoE, unless the file says
+            # otherwise.
             if spec.name == "LlamaForCausalLM":
                 hf["architectures"] = ["MixtralForCausalLM"]
             hf["num_experts"] = num_experts
             hf["num_experts_per_tok"] = get("expert_used_count")
             hf["moe_intermediate_size"] = get("expert_feed_forward_length")
             hf["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
-            hf["norm_topk_prob"] = get("expert_weights_norm", spec.name != "Qwen2MoeForCausalLM")
+            renormalised = spec.name not in ("Qwen2MoeForCausalLM", "OlmoeForCausalLM")
+            hf["norm_topk_prob"] = get("expert_weights_norm", renormalised)
+        hf.update(spec.gguf_implied)
+        for key, hf_key in _GGUF_OPTIONAL_KEYS.items():
+            if get(key) is not None:
+                hf[hf_key] = get(key)
         scaling_type = get("rope.scaling.type")
         if scaling_type not in (None, "none"):
             hf["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor")}
@@ -236,6 +274,18 @@ class ModelConfig:
 
 
 # -------------------------------------------------------------------- helpers
+
+# GGUF metadata keys (after "<arch>.") some architectures carry -> the HF config key.
+_GGUF_OPTIONAL_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    # Granite's scalars.
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+}
 
 
 def _required(config: Mapping[str, Any], key: str) -> Any:
@@ -270,27 +320,88 @@ def _resolve_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
     return float(theta), {"rope_type": rope_type, **params}
 
 
-def _max_positions(config: Mapping[str, Any]) -> int:
-    """max_position_embeddings, capped at the sliding window where one applies: octavo attends
-    over the whole context, which equals windowed attention only up to the window size."""
-    max_positions = int(config.get("max_position_embeddings", 2048))
+def _global_rope(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config as _resolve_rope reads it for the full-attention layers: transformers 5
+    writes Gemma 3's rope_parameters per layer type."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        return {**config, "rope_parameters": params["full_attention"]}
+    return config
+
+
+def _layer_types(config: Mapping[str, Any], num_layers: int, model_type: str) -> list[str]:
+    """Each layer's "full_attention" or "sliding_attention", as transformers derives them:
+    config.json's `layer_types` where it has one; else Gemma 2 alternates (sliding first),
+    Gemma 3 makes every sliding_window_pattern-th layer full, Qwen2 slides from
+    max_window_layers on when use_sliding_window, and the others slide everywhere when they
+    have a window (Qwen's only with use_sliding_window)."""
+    if config.get("layer_types"):
+        types = list(config["layer_types"])
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers.")
+        return types
     window = config.get("sliding_window")
-    windowed = config.get("use_sliding_window", window is not None)
-    if windowed and window is not None and window < max_positions:
-        logger.warning(
-            "sliding_window=%d < max_position_embeddings=%d: capping the context at %d, below "
-            "which full attention is exact.",
-            window,
-            max_positions,
-            window,
-        )
-        return int(window)
-    return max_positions
+    if model_type == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    # Qwen's configs carry a window they only use with use_sliding_window (default off).
+    if window is None or not config.get("use_sliding_window", not model_type.startswith("qwen")):
+        return ["full_attention"] * num_layers
+    first = int(config.get("max_window_layers") or 0) if "max_window_layers" in config else 0
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+
+
+def _attention_fields(
+    config: Mapping[str, Any], num_layers: int, model_type: str
+) -> dict[str, Any]:
+    """sliding_window and its layers, Gemma 3's local RoPE, the attention scale and the two
+    soft-caps (see ModelConfig)."""
+    types = _layer_types(config, num_layers, model_type)
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported.")
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    window = int(config.get("sliding_window") or 0)
+    if sliding and window < 1:
+        raise ValueError("sliding layers without a positive 'sliding_window'.")
+    fields: dict[str, Any] = {
+        "sliding_window": window if sliding else 0,
+        "sliding_layers": sliding,
+        "attn_logit_softcapping": float(config.get("attn_logit_softcapping") or 0.0),
+        "final_logit_softcapping": float(config.get("final_logit_softcapping") or 0.0),
+    }
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and "sliding_attention" in params:
+        fields["local_rope"] = _resolve_rope({"rope_parameters": params["sliding_attention"]})
+    elif config.get("rope_local_base_freq") is not None:  # transformers 4's Gemma 3
+        fields["local_rope"] = (float(config["rope_local_base_freq"]), None)
+    if config.get("query_pre_attn_scalar") is not None:  # Gemma
+        fields["attention_scale"] = float(config["query_pre_attn_scalar"]) ** -0.5
+    elif config.get("attention_multiplier") is not None:  # Granite
+        fields["attention_scale"] = float(config["attention_multiplier"])
+    return fields
+
+
+def _scalar_fields(config: Mapping[str, Any], model_type: str, hidden_size: int) -> dict[str, Any]:
+    """The residual stream's multipliers (see ModelConfig)."""
+    if model_type in ("gemma2", "gemma3_text"):
+        return {"embedding_multiplier": hidden_size**0.5}
+    return {
+        "embedding_multiplier": float(config.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(config.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(config.get("logits_scaling", 1.0)),
+    }
 
 
 def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The mixture-of-experts fields of an HF config. kind "mixtral": every layer routes to
-    experts of `intermediate_size` and renormalises the chosen probabilities; "qwen"
+    experts of `intermediate_size` and renormalises the chosen probabilities ("olmoe": the
+    same, renormalised where `norm_topk_prob`); "qwen"
     (Qwen3-MoE) and "qwen2" (Qwen2-MoE, with its shared expert): `moe_intermediate_size`,
     `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`. transformers 5 writes the count as
     `num_local_experts` for both, transformers 4 as `num_experts` for Qwen."""
@@ -299,11 +410,12 @@ def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
         "num_experts": int(num_experts),
         "num_experts_per_tok": int(_required(config, "num_experts_per_tok")),
     }
-    if kind == "mixtral":
+    if kind in ("mixtral", "olmoe"):
+        # Every layer routes, to experts of intermediate_size; Mixtral always renormalises.
         return {
             **fields,
             "moe_intermediate_size": int(_required(config, "intermediate_size")),
-            "norm_topk_prob": True,
+            "norm_topk_prob": kind == "mixtral" or bool(config.get("norm_topk_prob", False)),
         }
     layers = int(_required(config, "num_hidden_layers"))
     step = int(config.get("decoder_sparse_step") or 1)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from octavo.model.attention.layer import PagedAttention
 from octavo.model.backends import ModelBackend
-from octavo.model.backends.base import AttentionPlan
+from octavo.model.backends.base import AttentionPlan, LayerOps
 from octavo.model.config import ModelConfig
 from octavo.model.layers.embedding import VocabEmbedding
 from octavo.model.layers.linear import Linear, PackedLinear
@@ -32,7 +32,8 @@ from octavo.model.layers.weights import load_checkpoint_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: ModelBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: ModelBackend, layer: int = 0) -> None:
+        """`layer`: this layer's index (its sliding window, if it has one)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -45,16 +46,23 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
-        if self.qk_norm:
-            # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE.
+        if self.qk_norm == "head":
+            # Qwen3, Gemma 3: RMSNorm over head_dim on every q and k head, before RoPE.
             self.q_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps, backend.ops)
             self.k_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps, backend.ops)
+        elif self.qk_norm == "full":
+            # OLMo 2, OLMoE: RMSNorm over the whole q and k projections, before RoPE.
+            self.q_norm = RMSNorm(config.q_size, config.rms_norm_eps, backend.ops)
+            self.k_norm = RMSNorm(config.kv_size, config.rms_norm_eps, backend.ops)
+        scale = config.attention_scale
         self.attn = PagedAttention(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.head_dim**-0.5 if scale is None else scale,
             backend=backend.attention,
+            window=config.layer_window(layer),
+            softcap=config.attn_logit_softcapping,
         )
 
     def forward(
@@ -70,8 +78,12 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split_output(qkv)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            if self.qk_norm == "head":
+                q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+                k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            else:
+                q = self.q_norm(q).view(num_tokens, self.num_heads, self.head_dim)
+                k = self.k_norm(k).view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
         else:
             # q's and k's heads are adjacent in each qkv row: one rotary call for both, in
@@ -88,29 +100,12 @@ class LlamaDecoderLayer(nn.Module):
         """`layer`: this layer's index (mixture-of-experts models keep some layers dense)."""
         super().__init__()
         ops = backend.ops
-        self.self_attn = LlamaAttention(config, backend)
-        self.mlp: GatedMLP | SparseMoE
-        if config.is_moe_layer(layer):
-            self.mlp = SparseMoE(
-                config.hidden_size,
-                config.moe_intermediate_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.norm_topk_prob,
-                config.hidden_act,
-                ops,
-                config.shared_expert_intermediate_size,
-            )
-        else:
-            self.mlp = GatedMLP(
-                config.hidden_size,
-                config.intermediate_size,
-                config.mlp_bias,
-                config.hidden_act,
-                ops,
-            )
+        self.self_attn = LlamaAttention(config, backend, layer)
+        self.mlp = make_mlp(config, ops, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # Granite scales each sublayer's output before its residual add.
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -133,19 +128,52 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_plan)
         if rows is not None:
             hidden_states, residual = hidden_states[rows], residual[rows]
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
         hidden_states, residual = self.post_attention_layernorm.add_and_norm(
             hidden_states, residual
         )
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
+        return hidden_states, residual
+
+
+def make_mlp(config: ModelConfig, ops: LayerOps, layer: int) -> GatedMLP | SparseMoE:
+    """Decoder layer `layer`'s feed-forward: the experts where it has them, else the gated MLP."""
+    if config.is_moe_layer(layer):
+        return SparseMoE(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+            config.hidden_act,
+            ops,
+            config.shared_expert_intermediate_size,
+        )
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, ops
+    )
 
 
 class LlamaModel(nn.Module):
+    # The decoder layer class, (config, backend, layer index) -> module; a family whose layer
+    # differs (Gemma's four norms) names its own.
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, backend: ModelBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = config.embedding_multiplier
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Sliding layers with a RoPE of their own (Gemma 3's local base) get its cos/sin.
+        self.local_rotary_emb = None
+        self.local_layers = frozenset(config.sliding_layers if config.local_rope else ())
+        if config.local_rope is not None:
+            self.local_rotary_emb = RotaryEmbedding(config.head_dim, *config.local_rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+            self.decoder_layer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         # Every layer as one kernel call for all-decode steps, bound by the backend once the
@@ -162,8 +190,13 @@ class LlamaModel(nn.Module):
         output_rows: Tensor | None = None,
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        # One cos/sin for all layers: (num_tokens, head_dim) each.
+        if self.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.embedding_multiplier
+        # One cos/sin for all layers: (num_tokens, head_dim) each (and one for local layers).
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        local = cos, sin
+        if self.local_rotary_emb is not None:
+            local = self.local_rotary_emb(positions, hidden_states.dtype)
         if (
             self.fused_decode is not None
             and attn_plan.metadata.is_all_decode
@@ -180,11 +213,12 @@ class LlamaModel(nn.Module):
             residual = None
             last = len(self.layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                layer_cos, layer_sin = local if i in self.local_layers else (cos, sin)
                 hidden_states, residual = layer(
                     hidden_states,
                     residual,
-                    cos,
-                    sin,
+                    layer_cos,
+                    layer_sin,
                     kv_cache,
                     attn_plan,
                     output_rows if i == last else None,
@@ -194,6 +228,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The decoder stack's class (a family with its own layer names its own).
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
     # Checkpoint projection -> (packed module, shard): q/k/v and gate/up run as one matmul each.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -206,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: ModelBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.model = self.model_class(config, backend)
+        self.logits_scaling = config.logits_scaling
+        self.final_logit_softcapping = config.final_logit_softcapping
         # Tied checkpoints have no lm_head: logits reuse the embedding matrix, so there is no
         # second parameter to keep in sync (or to lose the sharing of when materialising).
         self.lm_head = (
@@ -234,8 +272,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """(n, hidden) -> (n, vocab_size) float32. Call it only on the rows that are sampled."""
         if self.lm_head is None:
-            return self.model.embed_tokens.head_format.matmul(hidden_states, None).float()
-        return self.lm_head(hidden_states).float()
+            logits = self.model.embed_tokens.head_format.matmul(hidden_states, None).float()
+        else:
+            logits = self.lm_head(hidden_states).float()
+        if self.logits_scaling != 1.0:  # Granite
+            logits = logits / self.logits_scaling
+        if self.final_logit_softcapping:  # Gemma 2
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the model. Raises ValueError naming an

@@ -179,7 +179,9 @@ class ModelRunner:
         return StepInputs(
             input_ids=self._to_device(np.concatenate(token_chunks)),
             positions=self._to_device(np.concatenate(position_chunks)),
-            attn_plan=self.backend.attention.plan(attn_metadata),
+            attn_plan=self.backend.attention.plan_step(
+                attn_metadata, self.model_config.attention_windows
+            ),
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
             logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),

@@ -83,6 +83,52 @@ def test_paged_decode_attention_of_one_key_is_its_value():
         torch.testing.assert_close(out[i], first.repeat_interleave(3, dim=0))
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 16, 4), (2, 1, 20, 3)]
+)
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (5, 0.0), (40, 0.0), (0, 2.5), (16, 2.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_with_a_window_and_softcap_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, window, softcap, dtype
+):
+    """A sliding window (keys outside it masked, whole blocks before it included) and
+    Gemma 2's soft-capping, on the AVX-512, AVX2 and generic loops alike."""
+    seq_lens = [1, block_size, block_size + 1, 37, 5 * block_size - 1]
+    inputs = _paged_inputs(
+        len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3
+    )
+    # Large scores, so that the cap bends them (tanh is far from linear at 2.5).
+    out = ops.paged_decode_attention(*inputs, 0.5, window, softcap)
+    expected = reference.paged_decode_attention_reference(*inputs, 0.5, window, softcap)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    if window and not softcap:
+        full = ops.paged_decode_attention(*inputs, 0.5)
+        long_rows = [i for i, n in enumerate(seq_lens) if n > window]
+        short_rows = [i for i, n in enumerate(seq_lens) if n <= window]
+        assert torch.equal(out[short_rows], full[short_rows])
+        if long_rows:
+            assert not torch.allclose(out[long_rows], full[long_rows])
+
+
+def test_a_window_equals_attending_to_the_last_keys_alone():
+    """Independent of the reference: a query under a window of W sees what it sees when its
+    sequence is only the last W keys (here block-aligned: a table that starts later)."""
+    query, key_cache, value_cache, block_table, _ = _paged_inputs(
+        1, [40], 8, 2, 64, 8, torch.float32, seed=5
+    )
+    lens = torch.tensor([40], dtype=torch.int32)
+    windowed = ops.paged_decode_attention(query, key_cache, value_cache, block_table, lens, 0.1, 16)
+    last = ops.paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table[:, 3:].contiguous(),
+        torch.tensor([16], dtype=torch.int32),
+        0.1,
+    )
+    torch.testing.assert_close(windowed, last, atol=1e-6, rtol=1e-6)
+
+
 def _prefill_inputs(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
     """chunks: (query_len, seq_len) each. Their rows sit in a flat batch after one unrelated row
     and with one between each pair (as decodes would), keys in shuffled blocks."""
@@ -125,6 +171,28 @@ def test_paged_prefill_attention_matches_reference(
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # Rows between the chunks are not touched.
     assert bool((out[[0, 101, 139, 141, 147, 218, 519]] == 7.0).all())
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (2, 1, 20, 3)]
+)
+@pytest.mark.parametrize(
+    "window,softcap", [(1, 0.0), (7, 0.0), (64, 0.0), (300, 0.0), (0, 2.5), (50, 2.5)]
+)
+def test_paged_prefill_attention_with_a_window_and_softcap_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, window, softcap
+):
+    """Windows smaller than a query tile, than a key step (256) and larger than one, over
+    whole prompts and chunks after a cached prefix; soft-capped scores."""
+    chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77), (300, 300), (20, 530)]
+    query, *args = _prefill_inputs(
+        chunks, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=11
+    )
+    out = torch.full_like(query, 7.0)
+    expected = torch.full_like(query, 7.0)
+    ops.paged_prefill_attention(out, query, *args, 0.5, window, softcap)
+    reference.paged_prefill_attention_reference(expected, query, *args, 0.5, window, softcap)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
 def test_paged_prefill_attention_reads_a_query_view_in_place():

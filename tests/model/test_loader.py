@@ -85,13 +85,13 @@ def test_config_resolves_architecture_flags_and_eos():
     qwen2 = ModelConfig.from_hf_config(
         {**shape, "architectures": ["Qwen2ForCausalLM"]}, generation_config={"eos_token_id": [7, 9]}
     )
-    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, "")
     assert qwen2.eos_token_ids == (7, 9)  # generation_config wins over config
     assert qwen2.sampling_defaults == ()
     qwen3 = ModelConfig.from_hf_config(
         {**shape, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}
     )
-    assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, "head", 32)
     assert qwen3.eos_token_ids == (7,)
     llama = ModelConfig.from_hf_config(
         {**shape, "architectures": ["LlamaForCausalLM"], "attention_bias": True}
@@ -119,23 +119,131 @@ def test_generation_config_sampling_defaults_use_sampling_params_names():
     assert dict(config.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 256}
 
 
-def test_sliding_window_caps_the_context():
-    config = ModelConfig.from_hf_config(
-        dict(
-            architectures=["MistralForCausalLM"],
-            vocab_size=32,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            max_position_embeddings=32768,
-            sliding_window=4096,
-        )
+def _window_config(architecture: str, **overrides) -> ModelConfig:
+    shape = dict(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        max_position_embeddings=32768,
     )
-    assert config.max_position_embeddings == 4096
+    return ModelConfig.from_hf_config({"architectures": [architecture], **shape, **overrides})
+
+
+def test_sliding_windows_become_layer_windows_not_a_context_cap():
+    """The window is each sliding layer's (the attention masks it), so the context stays the
+    model's: Mistral slides on every layer, Gemma 2 on every other one (first included), Gemma
+    3 on all but every sixth, Qwen2 only with use_sliding_window from max_window_layers on, and
+    config.json's layer_types wins over each rule."""
+    mistral = _window_config("MistralForCausalLM", sliding_window=4096)
+    assert mistral.max_position_embeddings == 32768
+    assert (mistral.sliding_window, mistral.sliding_layers) == (4096, (0, 1, 2, 3, 4, 5))
+    assert [mistral.layer_window(i) for i in (0, 5)] == [4096, 4096]
+    assert mistral.attention_windows == (4096,)
+    assert _window_config("MistralForCausalLM", sliding_window=None).attention_windows == ()
+    gemma2 = _window_config("Gemma2ForCausalLM", sliding_window=128)
+    assert gemma2.sliding_layers == (0, 2, 4) and gemma2.layer_window(1) == 0
+    gemma3 = _window_config("Gemma3ForCausalLM", sliding_window=128)
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4)
+    qwen2 = _window_config(
+        "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True, max_window_layers=4
+    )
+    assert qwen2.sliding_layers == (4, 5)
+    assert _window_config("Qwen2ForCausalLM", sliding_window=64).sliding_layers == ()
+    typed = _window_config(
+        "Gemma3ForCausalLM",
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"] * 3,
+    )
+    assert typed.sliding_layers == (1, 3, 5)
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 6 layers"):
+        _window_config("MistralForCausalLM", layer_types=["full_attention"] * 2)
+
+
+def test_gemma_and_granite_scalars_resolve():
+    gemma2 = _window_config(
+        "Gemma2ForCausalLM",
+        head_dim=16,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    assert gemma2.attention_scale == 256**-0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.embedding_multiplier == 8.0  # sqrt(hidden_size)
+    granite = _window_config(
+        "GraniteForCausalLM",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    )
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (12.0, 0.22)
+    assert (granite.attention_scale, granite.logits_scaling) == (0.0078125, 8.0)
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        _window_config("LlamaForCausalLM", hidden_act="gelu")
 
 
 # ---------------------------------------------------------------------- tiny GGUF files
+
+# Each family as llama.cpp's converter writes it (general.architecture, tensor names, the q/k
+# permutation of the Llama-derived ones, Gemma's 1 + w norms, the families' metadata keys);
+# Gemma's query_pre_attn_scalar is head_dim, which is what llama.cpp assumes for such files.
+GGUF_FAMILIES = {
+    "mistral": ("mistral", "llama", {"sliding_window": None}),
+    "gemma2": (
+        "gemma2",
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        "gemma3",
+        {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16},
+    ),
+    "olmo2": ("olmo2", "olmo2", {}),
+    "olmoe": ("olmoe", "olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granite": (
+        "granite",
+        "granite",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 2.0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_each_family_from_gguf_matches_transformers(tmp_path, family):
+    """A file of each family written with llama.cpp's names loads as its architecture and
+    gives transformers' logits on the same weights, prompt and decodes (windows crossed)."""
+    model_type, arch, overrides = GGUF_FAMILIES[family]
+    hf_model = make_tiny_hf_model(model_type, seed=12, **overrides)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf_model, arch)
+    backend = cpu_backend()
+    model, config = load_model(str(tmp_path / "tiny.gguf"), backend)
+    expected_arch = type(hf_model).__name__
+    assert config.architecture == ("LlamaForCausalLM" if family == "mistral" else expected_arch)
+    token_ids = list(range(3, 20))
+    expected = hf_logits(hf_model, token_ids)
+    harness = PagedHarness(model, backend)
+    logits = torch.cat(
+        [harness.step({"r": token_ids[:12]})["r"]]
+        + [harness.step({"r": [t]})["r"] for t in token_ids[12:]]
+    )
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -152,8 +260,10 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, overrides):
     # A folder holding exactly one .gguf loads like the file itself.
     backend = cpu_backend()
     model, config = load_model(str(tmp_path), backend)
-    assert config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
-    assert (config.attention_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert (config.attention_bias, config.qk_norm) == (
+        arch == "qwen2",
+        "head" if arch == "qwen3" else "",
+    )
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
     token_ids = list(range(3, 19))
     torch.testing.assert_close(

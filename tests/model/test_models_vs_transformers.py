@@ -66,6 +66,42 @@ VARIANTS = {
         },
     ),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Sliding windows of 4-6 positions: the 11-17 token sequences below are 2-4 windows long,
+    # and blocks of 4 put the window's edge inside a block.
+    "mistral_window_6": ("mistral", {"sliding_window": 6, "head_dim": 16}),
+    # Gemma 2: sliding and full layers alternating, both soft-caps (small enough to bend these
+    # logits), query_pre_attn_scalar unlike head_dim, tied embeddings scaled by sqrt(hidden).
+    "gemma2_window_5_softcaps": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0,
+        },
+    ),
+    # Gemma 3: a local layer (RoPE base 10000) then a global one (base 1e6), per-head q/k norms.
+    "gemma3_window_4": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "olmo2": ("olmo2", {}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granite_multipliers": (
+        "granite",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 2.0,
+        },
+    ),
 }
 
 
@@ -157,15 +193,29 @@ def test_asking_for_some_rows_gives_those_rows_of_the_whole_forward(tiny):
         torch.testing.assert_close(some.step(scheduled, rows), flat[rows], atol=1e-5, rtol=1e-5)
 
 
+# Why the one-call decode layer is off for a variant (on for every other).
+FUSED_OFF = {
+    "qwen3_head_dim_32_tied": "per-head q/k norms",
+    "qwen3_moe_one_dense_layer": "per-head q/k norms",
+    "gemma2_window_5_softcaps": "Gemma2ForCausalLM does not use it",
+    "gemma3_window_4": "Gemma3ForCausalLM does not use it",
+    "olmo2": "Olmo2ForCausalLM does not use it",
+    "olmoe": "OlmoeForCausalLM does not use it",
+    "granite_multipliers": "GraniteForCausalLM does not use it",
+}
+
+
 @pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
-def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch):
+def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch, request):
     """All-decode steps run each layer as one ops.decode_layer call (Llama, Qwen2 with its
-    q/k/v biases; of a mixture of experts the attention half, the experts after it); it must
-    give the layer-by-layer forward's logits bit for bit. Qwen3's per-head q/k norms are not
-    in that kernel: the backend does not bind it for them."""
+    q/k/v biases, Mistral's sliding window; of a mixture of experts the attention half, the
+    experts after it); it must give the layer-by-layer forward's logits bit for bit. Qwen3's
+    per-head q/k norms are not in that kernel, nor the families that do not opt in: the backend
+    does not bind it for them."""
     model, backend = load(tiny[1])
-    supported = not model.config.qk_norm
-    assert backend.fused_decode_layer == ("on" if supported else "off: per-head q/k norms")
+    off = FUSED_OFF.get(request.node.callspec.params["tiny"])
+    supported = off is None
+    assert backend.fused_decode_layer == ("on" if supported else f"off: {off}")
     assert (model.model.fused_decode is not None) == supported
     calls = []
     decode_layer = ops.decode_layer
@@ -298,7 +348,7 @@ def _config(**overrides) -> ModelConfig:
         attention_bias=False,
         attention_out_bias=False,
         mlp_bias=False,
-        qk_norm=False,
+        qk_norm="",
         hidden_act="silu",
         bos_token_id=1,
         eos_token_ids=(2,),

@@ -36,6 +36,12 @@ _CONFIG_CLASSES = {
     "qwen3_moe": transformers.Qwen3MoeConfig,
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "mixtral": transformers.MixtralConfig,
+    "mistral": transformers.MistralConfig,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
+    "olmo2": transformers.Olmo2Config,
+    "olmoe": transformers.OlmoeConfig,
+    "granite": transformers.GraniteConfig,
 }
 
 TINY_SHAPE = dict(
@@ -192,7 +198,7 @@ class PagedHarness:
             block_table=block_table,
             block_size=self.block_size,
         )
-        plan = self.backend.attention.plan(metadata)
+        plan = self.backend.attention.plan_step(metadata, self.model.config.attention_windows)
         rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
         with torch.inference_mode():
             hidden = self.model(
@@ -227,6 +233,15 @@ _HF_TO_GGUF_LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
+# The post-norm families (Gemma 2/3, OLMo 2) name their norms otherwise.
+_SANDWICH_TO_GGUF = {
+    **_HF_TO_GGUF_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_SANDWICH_ARCHS = ("gemma2", "gemma3", "olmo2")
+_GGUF_HAS_PERMUTED_QK = ("llama", "granite")
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -234,14 +249,15 @@ _HF_TO_GGUF_GLOBAL = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     if rest.startswith("mlp.experts."):  # a stack, as _gguf_ordered_state names it
         return f"blk.{layer}.{rest.removeprefix('mlp.experts.')}.weight"
     module, param = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{param}"
+    names = _SANDWICH_TO_GGUF if arch in _SANDWICH_ARCHS else _HF_TO_GGUF_LAYER
+    return f"blk.{layer}.{names[module]}.{param}"
 
 
 def _gguf_ordered_state(hf_model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -368,7 +384,8 @@ def write_tiny_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # Gemma 3's global
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -384,15 +401,28 @@ def write_tiny_gguf(
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         if hasattr(config, "norm_topk_prob"):
             writer.add_expert_weights_norm(config.norm_topk_prob)
+    # The keys of the families that have them, as llama.cpp's converter writes them.
+    if getattr(config, "sliding_window", None) and arch != "llama":
+        writer.add_sliding_window(config.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None):
+            getattr(writer, f"add_{key}")(getattr(config, key))
+    if arch == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     tensor_types = tensor_types or {}
     for hf_name, tensor in _gguf_ordered_state(hf_model):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        name = gguf_name(hf_name)
-        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+        name = gguf_name(hf_name, arch)
+        if arch in _GGUF_HAS_PERMUTED_QK and ".self_attn.q_proj." in hf_name:
             tensor = permute_like_llama_cpp(tensor, config.num_attention_heads)
-        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+        elif arch in _GGUF_HAS_PERMUTED_QK and ".self_attn.k_proj." in hf_name:
             tensor = permute_like_llama_cpp(tensor, config.num_key_value_heads)
+        elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1  # Gemma's x * (1 + w), as llama.cpp's converter stores it
         array = tensor.float().numpy()
         qtype = tensor_types.get(name, gguf.GGMLQuantizationType.F32)
         if blocks and name in blocks:

@@ -22,13 +22,19 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         backend: AttentionBackend,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
+        """window: 0, or this layer's sliding window (each query sees its last `window`
+        positions); softcap: 0, or the cap of its attention scores (Gemma 2)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.window = window
+        self.softcap = softcap
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, plan: AttentionPlan
@@ -37,11 +43,17 @@ class PagedAttention(nn.Module):
         head_dim). Mutates kv_cache (this step's slots). Returns (num_tokens, num_heads *
         head_dim)."""
         self.backend.write_kv_cache(kv_cache, key, value, plan.metadata.slot_mapping)
-        output = self.backend.forward(query, key, value, kv_cache, plan, self.scale)
+        if self.window:
+            plan = plan.windows[self.window]  # the step as this window sees it
+        output = self.backend.forward(
+            query, key, value, kv_cache, plan, self.scale, self.window, self.softcap
+        )
         return output.flatten(1, 2)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend.name}"
+            + (f", window={self.window}" if self.window else "")
+            + (f", softcap={self.softcap}" if self.softcap else "")
         )

@@ -72,6 +72,41 @@ class AttentionMetadata:
                 f"to {self.max_seq_len} tokens with block_size={self.block_size}."
             )
 
+    def for_window(self, window: int) -> AttentionMetadata:
+        """This step as a layer with a sliding window of `window` positions sees it: each
+        request's block row starts at the block holding the first key its first query row can
+        see, and its seq_len counts from that block's start. Query rows keep their relative
+        places (row j of request i is still the j-th of the last query_len positions), so a
+        backend that masks keys more than `window - 1` positions behind each query, in these
+        shifted coordinates, computes the window exactly, and never reads a block the window
+        has left (which the KV cache manager may have given back). slot_mapping is unchanged:
+        writes go where they always go."""
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}.")
+        block_size = self.block_size
+        skip = [
+            max(seq_len - q_len - window + 1, 0) // block_size
+            for q_len, seq_len in zip(self.query_lens, self.seq_lens)
+        ]
+        if not any(skip):
+            return self
+        cols = self.block_table.shape[1]
+        device = self.block_table.device
+        # Row i's columns skip[i] .. skip[i] + width - 1 (clamped: past a row's blocks the
+        # entries are never read).
+        width = cols - min(skip)
+        columns = torch.arange(width, device=device).unsqueeze(0) + torch.tensor(
+            skip, device=device
+        ).unsqueeze(1)
+        table = self.block_table[: self.num_reqs].gather(1, columns.clamp_(max=cols - 1))
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc,
+            seq_lens=[s - first * block_size for s, first in zip(self.seq_lens, skip)],
+            slot_mapping=self.slot_mapping,
+            block_table=table,
+            block_size=block_size,
+        )
+
     def decode_idx(self) -> list[int]:
         """Indices of the requests with one query token."""
         return [i for i, q_len in enumerate(self.query_lens) if q_len == 1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -56,9 +56,12 @@ class LayerOps(ABC):
 @dataclass(slots=True)
 class AttentionPlan:
     """What one forward's attention needs beyond the tensors: the step's metadata, plus
-    whatever the backend derived from it once for all layers (subclasses). Plain data."""
+    whatever the backend derived from it once for all layers (subclasses). Plain data.
+    `windows`: the plan of each sliding window the model's layers use, over the metadata
+    cut to the blocks that window can see (AttentionMetadata.for_window)."""
 
     metadata: AttentionMetadata
+    windows: dict[int, AttentionPlan] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):
@@ -68,9 +71,20 @@ class AttentionBackend(ABC):
     name: str = ""
 
     @abstractmethod
-    def plan(self, metadata: AttentionMetadata) -> AttentionPlan:
+    def plan(self, metadata: AttentionMetadata, window: int = 0) -> AttentionPlan:
         """Everything derived from the step's metadata that every layer would otherwise repeat
-        (index tensors, masks, kernel arguments). Called once per forward, by the runner."""
+        (index tensors, masks, kernel arguments); for layers with a sliding `window`, given
+        the metadata cut for it."""
+
+    def plan_step(
+        self, metadata: AttentionMetadata, windows: tuple[int, ...] = ()
+    ) -> AttentionPlan:
+        """The plan of one forward, with one plan per sliding window of the model's layers
+        (`windows`). Called once per forward, by the runner."""
+        plan = self.plan(metadata)
+        for window in windows:
+            plan.windows[window] = self.plan(metadata.for_window(window), window)
+        return plan
 
     def write_kv_cache(
         self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
@@ -88,7 +102,12 @@ class AttentionBackend(ABC):
         kv_cache: Tensor,
         plan: AttentionPlan,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         """query: (num_tokens, num_heads, head_dim); key, value: this step's (num_tokens,
         num_kv_heads, head_dim), already written to kv_cache. Returns (num_tokens, num_heads,
-        head_dim) in query's dtype. Must not write to the cache."""
+        head_dim) in query's dtype. Must not write to the cache. window > 0: a query sees only
+        the last `window` positions up to its own (transformers' sliding window), and `plan` is
+        that window's; softcap > 0: scores become softcap * tanh(score / softcap) before the
+        mask and softmax (Gemma 2)."""

@@ -92,8 +92,8 @@ class CpuPagedAttention(AttentionBackend):
             _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_write_kv_cache
         )
 
-    def plan(self, metadata: AttentionMetadata) -> PagedPlan:
-        return PagedPlan(metadata, _plan_decodes(metadata), _plan_prefills(metadata))
+    def plan(self, metadata: AttentionMetadata, window: int = 0) -> PagedPlan:
+        return PagedPlan(metadata, decode=_plan_decodes(metadata), prefill=_plan_prefills(metadata))
 
     def write_kv_cache(
         self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
@@ -108,18 +108,21 @@ class CpuPagedAttention(AttentionBackend):
         kv_cache: Tensor,
         plan: PagedPlan,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         decode, prefill = plan.decode, plan.prefill
         if decode is not None and decode.token_idx is None:
             # All rows are decodes in batch order: the decode output is the whole output.
-            return _decode(query, kv_cache, decode, scale)
+            return _decode(query, kv_cache, decode, scale, window, softcap)
         dtype = query.dtype
         if not (dtype == torch.float32 and ops.heads_contiguous(query)):
             query = query.float().contiguous()  # what the prefill kernel reads
         output = query.new_empty(query.shape)
         if decode is not None:
             decode_query = query.index_select(0, decode.token_idx)
-            output.index_copy_(0, decode.token_idx, _decode(decode_query, kv_cache, decode, scale))
+            decoded = _decode(decode_query, kv_cache, decode, scale, window, softcap)
+            output.index_copy_(0, decode.token_idx, decoded)
         assert prefill is not None  # not all decodes: some request has several query tokens
         ops.paged_prefill_attention(
             output,
@@ -131,6 +134,8 @@ class CpuPagedAttention(AttentionBackend):
             prefill.query_lens,
             prefill.seq_lens,
             scale,
+            window,
+            softcap,
         )
         return output if output.dtype == dtype else output.to(dtype)
 
@@ -141,9 +146,16 @@ def _kernel_write_kv_cache(
     ops.write_kv_cache(key, value, kv_cache, slot_mapping)
 
 
-def _decode(query: Tensor, kv_cache: Tensor, decode: PagedDecodes, scale: float) -> Tensor:
+def _decode(
+    query: Tensor,
+    kv_cache: Tensor,
+    decode: PagedDecodes,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> Tensor:
     return ops.paged_decode_attention(
-        query, kv_cache[0], kv_cache[1], decode.block_table, decode.seq_lens, scale
+        query, kv_cache[0], kv_cache[1], decode.block_table, decode.seq_lens, scale, window, softcap
     )
 
 

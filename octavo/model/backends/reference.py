@@ -17,7 +17,7 @@ from octavo.model.backends.base import AttentionBackend, AttentionPlan
 class ReferenceAttention(AttentionBackend):
     name = "reference"
 
-    def plan(self, metadata: AttentionMetadata) -> AttentionPlan:
+    def plan(self, metadata: AttentionMetadata, window: int = 0) -> AttentionPlan:
         return AttentionPlan(metadata)
 
     def forward(
@@ -28,13 +28,15 @@ class ReferenceAttention(AttentionBackend):
         kv_cache: Tensor,
         plan: AttentionPlan,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         metadata = plan.metadata
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         output = torch.empty_like(query)
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-            query_len, seq_len = end - start, metadata.seq_lens[i]
+            seq_len = metadata.seq_lens[i]
             num_blocks = -(-seq_len // metadata.block_size)
             block_ids = metadata.block_table[i, :num_blocks].long()
             # (seq_len, num_kv_heads, head_dim): the request's blocks laid end to end.
@@ -44,11 +46,29 @@ class ReferenceAttention(AttentionBackend):
             keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
             values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
 
-            scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            key_pos = torch.arange(seq_len, device=query.device)
-            visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (query_len, seq_len)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)  # (num_heads, query_len, seq_len)
-            output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+            output[start:end] = attend(query[start:end], keys, values, scale, window, softcap).to(
+                query.dtype
+            )
         return output
+
+
+def attend(
+    query: Tensor, keys: Tensor, values: Tensor, scale: float, window: int, softcap: float
+) -> Tensor:
+    """The attention of one sequence's query rows, the last q_len of its seq_len positions, over
+    all its keys and values, in float32: query (q_len, num_heads, head_dim); keys, values
+    (seq_len, num_heads, head_dim), one per query head. Row j (position seq_len - q_len + j)
+    sees keys up to its position and, under a window, only the last `window` of them; a
+    softcap turns scores into softcap * tanh(score / softcap) before the mask, as transformers
+    does. Returns (q_len, num_heads, head_dim) float32."""
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+    key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+    visible = key_pos <= query_pos  # (q_len, seq_len)
+    if window:
+        visible &= key_pos > query_pos - window
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values.float())

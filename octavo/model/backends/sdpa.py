@@ -15,6 +15,7 @@ every shape comes from the metadata's Python ints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,8 +66,10 @@ class GatherPlan(AttentionPlan):
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
-    def plan(self, metadata: AttentionMetadata) -> GatherPlan:
-        return GatherPlan(metadata, _plan_decodes(metadata), _plan_chunks(metadata))
+    def plan(self, metadata: AttentionMetadata, window: int = 0) -> GatherPlan:
+        return GatherPlan(
+            metadata, decode=_plan_decodes(metadata, window), chunks=_plan_chunks(metadata, window)
+        )
 
     def forward(
         self,
@@ -76,15 +79,21 @@ class SdpaAttention(AttentionBackend):
         kv_cache: Tensor,
         plan: GatherPlan,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
+        # The window is in the plan's masks (the plan of `window`); a softcap needs the scores,
+        # which SDPA never shows, so it computes them (_attention).
+        attention = F.scaled_dot_product_attention if not softcap else _softcapped(softcap)
         decode = plan.decode
         if decode is not None and decode.token_idx is None:
             # All rows are decodes in batch order: the decode output is the whole output.
-            return _decode(query, kv_cache, decode, scale)
+            return _decode(query, kv_cache, decode, scale, attention)
         output = query.new_empty(query.shape)
         if decode is not None:
             decode_query = query.index_select(0, decode.token_idx)
-            output.index_copy_(0, decode.token_idx, _decode(decode_query, kv_cache, decode, scale))
+            decoded = _decode(decode_query, kv_cache, decode, scale, attention)
+            output.index_copy_(0, decode.token_idx, decoded)
         key_slots = kv_cache[0].flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
         value_slots = kv_cache[1].flatten(0, 1)
         for chunk in plan.chunks:
@@ -95,7 +104,7 @@ class SdpaAttention(AttentionBackend):
             else:
                 chunk_key = key_slots.index_select(0, chunk.kv_slots)
                 chunk_value = value_slots.index_select(0, chunk.kv_slots)
-            out = F.scaled_dot_product_attention(
+            out = attention(
                 chunk_query,
                 chunk_key.to(query.dtype).transpose(0, 1).unsqueeze(0),  # (1, Hkv, seq_len, D)
                 chunk_value.to(query.dtype).transpose(0, 1).unsqueeze(0),
@@ -108,7 +117,7 @@ class SdpaAttention(AttentionBackend):
         return output
 
 
-def _plan_decodes(metadata: AttentionMetadata) -> GatheredDecodes | None:
+def _plan_decodes(metadata: AttentionMetadata, window: int) -> GatheredDecodes | None:
     req_idx = metadata.decode_idx()
     if not req_idx:
         return None
@@ -120,7 +129,10 @@ def _plan_decodes(metadata: AttentionMetadata) -> GatheredDecodes | None:
     max_num_blocks = rows.shape[1]
     seq_lens = torch.tensor([metadata.seq_lens[i] for i in req_idx], device=device)
     max_len = max_num_blocks * metadata.block_size
-    key_mask = torch.arange(max_len, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    key_pos = torch.arange(max_len, device=device).unsqueeze(0)
+    key_mask = key_pos < seq_lens.unsqueeze(1)
+    if window:
+        key_mask &= key_pos >= (seq_lens - window).unsqueeze(1)
     return GatheredDecodes(
         req_idx=req_idx,
         token_idx=token_idx,
@@ -130,7 +142,7 @@ def _plan_decodes(metadata: AttentionMetadata) -> GatheredDecodes | None:
     )
 
 
-def _plan_chunks(metadata: AttentionMetadata) -> list[PrefillChunk]:
+def _plan_chunks(metadata: AttentionMetadata, window: int) -> list[PrefillChunk]:
     device = metadata.block_table.device
     chunks = []
     for i in metadata.chunk_idx():
@@ -139,21 +151,26 @@ def _plan_chunks(metadata: AttentionMetadata) -> list[PrefillChunk]:
         kv_slots = mask = None
         if seq_len > q_len:
             kv_slots = metadata.slots(i, seq_len)  # (seq_len,)
-            key_pos = torch.arange(seq_len, device=device)
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (q_len, seq_len)
+        if seq_len > q_len or (window and window < q_len):
+            key_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+            mask = key_pos <= query_pos  # (q_len, seq_len)
+            if window:
+                mask &= key_pos > query_pos - window
         chunks.append(PrefillChunk(i, start, start + q_len, kv_slots, mask))
     return chunks
 
 
-def _decode(query: Tensor, kv_cache: Tensor, decode: GatheredDecodes, scale: float) -> Tensor:
+def _decode(
+    query: Tensor, kv_cache: Tensor, decode: GatheredDecodes, scale: float, attention: Callable
+) -> Tensor:
     """query: (num_decodes, H, D) -> (num_decodes, H, D)."""
     num_decodes = query.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     shape = (num_decodes, decode.max_num_blocks * block_size, num_kv_heads, head_dim)
     keys = kv_cache[0].index_select(0, decode.block_ids).view(shape).to(query.dtype)
     values = kv_cache[1].index_select(0, decode.block_ids).view(shape).to(query.dtype)
-    out = F.scaled_dot_product_attention(
+    out = attention(
         query.unsqueeze(2),  # (num_decodes, H, 1, D)
         keys.transpose(1, 2),  # (num_decodes, Hkv, max_len, D)
         values.transpose(1, 2),
@@ -162,3 +179,30 @@ def _decode(query: Tensor, kv_cache: Tensor, decode: GatheredDecodes, scale: flo
         enable_gqa=True,
     )  # (num_decodes, H, 1, D)
     return out.squeeze(2)
+
+
+def _softcapped(softcap: float) -> Callable[..., Tensor]:
+    """SDPA's contract (the calls above: a boolean mask or is_causal, GQA) with the scores
+    soft-capped, softcap * tanh(score / softcap), before the mask; in float32."""
+
+    def attention(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        scale: float = 1.0,
+        enable_gqa: bool = True,
+    ) -> Tensor:
+        group = query.shape[1] // key.shape[1]
+        key = key.float().repeat_interleave(group, dim=1)
+        value = value.float().repeat_interleave(group, dim=1)
+        scores = torch.tanh(query.float() @ key.transpose(-1, -2) * (scale / softcap)) * softcap
+        if is_causal:
+            q_len, k_len = scores.shape[-2:]
+            attn_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        return (scores.softmax(-1) @ value).to(query.dtype)
+
+    return attention

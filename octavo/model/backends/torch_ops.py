@@ -30,10 +30,19 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class TorchOps(LayerOps):
     name = "torch"
 
-    _ACTIVATIONS: ClassVar[dict[str, Callable[[Tensor], Tensor]]] = {"silu": silu_and_mul}
+    _ACTIVATIONS: ClassVar[dict[str, Callable[[Tensor], Tensor]]] = {
+        "silu": silu_and_mul,
+        "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    }
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rms_norm(x, weight, eps)

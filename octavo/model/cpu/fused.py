@@ -50,13 +50,14 @@ class FusedDecodeLayers:
         """hidden: (num_tokens, hidden) float32, the embeddings; plan: the step's PagedPlan.
         Returns (the last layer's output, the residual stream before it), as the model's own
         loop over its layers does."""
-        decode = plan.decode
         # A zero residual makes the first layer's add a no-op (x + 0 == x), so its norm sees
         # what the unfused first layer's does.
         residual = torch.zeros_like(hidden)
         for args, kv_cache, feed_forward in zip(
             self.layer_args, kv_caches, self.feed_forwards, strict=True
         ):
+            window = args[-1]
+            decode = (plan.windows[window] if window else plan).decode
             hidden = ops.decode_layer(
                 hidden,
                 residual,
@@ -95,7 +96,11 @@ def incompatibility(model: nn.Module) -> str | None:
             return f"{type(layer.mlp).__name__} in place of the gated MLP"
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qk_norm:
-            return "per-head q/k norms"
+            return "per-head q/k norms" if attn.qk_norm == "head" else "q/k norms"
+        if attn.attn.softcap:
+            return "soft-capped attention"
+        if layer.residual_multiplier != 1.0:
+            return "a residual multiplier"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.weight.dtype != torch.float32 for norm in norms):
             return "norm weights are not float32"
@@ -204,6 +209,7 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 attn.num_kv_heads,
                 attn.head_dim,
                 attn.attn.scale,
+                attn.attn.window,
             )
         )
     return FusedDecodeLayers(layer_args, min(limits) if limits else None, feed_forwards)

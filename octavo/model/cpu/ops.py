@@ -21,16 +21,20 @@ def paged_decode_attention(
     block_table: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """query: (num_seqs, num_heads, head_dim); key_cache, value_cache: (num_blocks, block_size,
     num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
     max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1. Returns (num_seqs, num_heads,
-    head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads)."""
+    head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads).
+    window > 0: each query sees only its sequence's last `window` keys; softcap > 0: scores
+    become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     dtype = query.dtype
     if not (dtype == torch.float32 and query.is_contiguous()):
         query = query.float().contiguous()
     out = torch.ops.octavo.paged_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap
     )
     return out if dtype == torch.float32 else out.to(dtype)
 
@@ -45,6 +49,8 @@ def paged_prefill_attention(
     query_lens: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention for chunks of several query tokens, over keys read from the paged
     cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
@@ -53,10 +59,21 @@ def paged_prefill_attention(
     block_table: (num_chunks, max_blocks) int32; query_start, query_lens, seq_lens:
     (num_chunks,) int32. Chunk c is rows query_start[c] .. + query_lens[c] of query; its row i
     sits at position seq_lens[c] - query_lens[c] + i and sees keys 0..that position (its own
-    included: the chunk's keys must already be in the cache). Rows outside the chunks are left
-    as they are."""
+    included: the chunk's keys must already be in the cache), under a window only keys
+    position - window + 1 .. position; softcap as for paged_decode_attention. Rows outside the
+    chunks are left as they are."""
     torch.ops.octavo.paged_prefill_attention(
-        out, query, key_cache, value_cache, block_table, query_start, query_lens, seq_lens, scale
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start,
+        query_lens,
+        seq_lens,
+        scale,
+        window,
+        softcap,
     )
 
 
@@ -155,10 +172,11 @@ def decode_layer(
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
     and sizes, (input_norm, post_norm, eps, weights, kinds, rows, parts, qkv_bias, o_bias,
-    gate_up_bias, down_bias, num_heads, num_kv_heads, head_dim, scale): the four projections'
-    weights as parts (packed, or GGML blocks with their type id; decode_layer.cpp) and
-    optional biases (fused.py builds them); cos, sin: (num_tokens, head_dim)
-    float32; the last three as for paged_decode_attention, slot_mapping as for write_kv_cache.
+    gate_up_bias, down_bias, num_heads, num_kv_heads, head_dim, scale, window): the four
+    projections' weights as parts (packed, or GGML blocks with their type id;
+    decode_layer.cpp) and optional biases (fused.py builds them); cos, sin: (num_tokens,
+    head_dim) float32; the last three as for paged_decode_attention (cut for the layer's
+    window: 0 or its sliding window), slot_mapping as for write_kv_cache.
     Returns the layer's output."""
     return torch.ops.octavo.decode_layer(
         hidden, residual, *layer_args, cos, sin, kv_cache, slot_mapping, block_table, seq_lens

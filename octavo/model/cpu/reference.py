@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from octavo.model.backends.reference import attend
 from octavo.model.cpu.packing import unpack_linear_weight
 
 
@@ -21,6 +22,8 @@ def paged_decode_attention_reference(
     block_table: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """ops.paged_decode_attention's contract, one sequence at a time."""
     num_heads, block_size = query.shape[1], key_cache.shape[1]
@@ -30,8 +33,7 @@ def paged_decode_attention_reference(
         blocks = block_table[i, : -(-seq_len // block_size)].long()
         keys = key_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
         values = value_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,khd->hk", query[i].float(), keys) * scale
-        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), values).to(query.dtype)
+        out[i] = attend(query[i : i + 1], keys, values, scale, window, softcap)[0].to(query.dtype)
     return out
 
 
@@ -45,6 +47,8 @@ def paged_prefill_attention_reference(
     query_lens: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """ops.paged_prefill_attention's contract, one chunk at a time."""
     num_heads, block_size = query.shape[1], key_cache.shape[1]
@@ -54,10 +58,8 @@ def paged_prefill_attention_reference(
         blocks = block_table[c, : -(-seq_len // block_size)].long()
         keys = key_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
         values = value_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", query[start : start + q_len].float(), keys) * scale
-        positions = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        scores.masked_fill_(torch.arange(seq_len).unsqueeze(0) > positions, float("-inf"))
-        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        chunk = query[start : start + q_len]
+        out[start : start + q_len] = attend(chunk, keys, values, scale, window, softcap)
 
 
 def packed_linear_reference(x: Tensor, packed: Tensor, n: int) -> Tensor:

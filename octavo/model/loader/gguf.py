@@ -172,6 +172,8 @@ def _iter_tensors(
         array = _dequantized(path, tensor)
         if permuted:
             array = _unpermute_qk(array, name, config)
+        if spec.gguf_norm_offset and name.endswith("norm.weight"):
+            array = array - np.float32(spec.gguf_norm_offset)  # llama.cpp's 1 + w -> w
         # from_numpy shares memory; F32 tensors come straight from the read-only memmap.
         yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 

@@ -56,9 +56,13 @@ inline void for_each_token_row(const cache_t* base, const int32_t* blocks, int64
 //   query, out: (num_seqs, num_heads, head_dim) float32
 //   key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)
 //   block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,) int32
+//   window: 0, or a sliding window (the query sees its last `window` keys); softcap: 0, or
+//   scores become softcap * tanh(score / softcap) before the softmax
 template <typename cache_t>
 struct PagedArgs {
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
+  int64_t window;
+  float softcap;
   int64_t slot_stride;  // between consecutive tokens
   const float* q_base;
   float* out_base;
@@ -73,7 +77,7 @@ struct PagedArgs {
 
   PagedArgs(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
             const at::Tensor& value_cache, const at::Tensor& block_table,
-            const at::Tensor& seq_lens)
+            const at::Tensor& seq_lens, int64_t window_, double softcap_)
       : num_seqs(query.size(0)),
         num_heads(query.size(1)),
         head_dim(query.size(2)),
@@ -81,6 +85,8 @@ struct PagedArgs {
         num_kv_heads(key_cache.size(2)),
         group(num_heads / num_kv_heads),
         max_blocks(block_table.size(1)),
+        window(window_),
+        softcap(static_cast<float>(softcap_)),
         slot_stride(num_kv_heads * head_dim),
         q_base(query.data_ptr<float>()),
         out_base(out.data_ptr<float>()),
@@ -92,6 +98,18 @@ struct PagedArgs {
         items_per_seq(num_kv_heads / kv_per_item),
         heads_per_item(kv_per_item * group) {}
 };
+
+// A head's scores of a sequence before its softmax: soft-capped, and those outside the window
+// (every key but the last `window`) set to -inf, which the softmax turns into weight 0.
+template <typename cache_t>
+inline void shape_scores(const PagedArgs<cache_t>& a, float* s, int64_t seq_len) {
+  if (a.softcap > 0.f) {
+    for (int64_t t = 0; t < seq_len; ++t) s[t] = a.softcap * std::tanh(s[t] / a.softcap);
+  }
+  if (a.window > 0 && seq_len > a.window) {
+    std::fill(s, s + seq_len - a.window, -std::numeric_limits<float>::infinity());
+  }
+}
 
 template <typename cache_t>
 void paged_decode_attention_generic(const PagedArgs<cache_t>& a, double scale) {
@@ -121,6 +139,7 @@ void paged_decode_attention_generic(const PagedArgs<cache_t>& a, double scale) {
       // Softmax per head, in float32.
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
+        shape_scores(a, s, seq_len);
         const float max_score = max_of(s, seq_len);
         const float inv = 1.f / exp_shifted_sum(s, seq_len, max_score);
         for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
@@ -354,6 +373,7 @@ void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
       });
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
+        shape_scores(a, s, seq_len);
         const float max_score = max_of(s, seq_len);
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
@@ -583,6 +603,7 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
       }, values_first, n_values_first);
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
+        shape_scores(a, s, seq_len);
         const float max_score = max_of(s, seq_len);
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
       }
@@ -623,8 +644,9 @@ template <typename cache_t>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 double scale) {
-  const PagedArgs<cache_t> args(out, query, key_cache, value_cache, block_table, seq_lens);
+                                 double scale, int64_t window, double softcap) {
+  const PagedArgs<cache_t> args(out, query, key_cache, value_cache, block_table, seq_lens,
+                                window, softcap);
 #ifdef OCTAVO_AVX512
   if (args.head_dim == 64) {
     paged_decode_attention_avx512<64>(args, scale);
@@ -648,14 +670,15 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap) {
   at::Tensor out = at::empty_like(query);
   if (key_cache.scalar_type() == at::kBFloat16) {
     paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
-                                               seq_lens, scale);
+                                               seq_lens, scale, window, softcap);
   } else {
     paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
-                                       seq_lens, scale);
+                                       seq_lens, scale, window, softcap);
   }
   return out;
 }

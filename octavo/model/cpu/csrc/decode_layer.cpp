@@ -46,7 +46,7 @@ struct Projections {
 // ~25 torch ops and Python calls around the kernels of each layer cost as much as the work.
 //   residual <- hidden + residual; x <- input_norm(residual)            (in place)
 //   q, k, v <- split(x @ Wqkv^T + b); rotary on q and k; k, v -> cache at slot_mapping
-//   x <- paged_attention(q) @ Wo^T + b
+//   x <- paged_attention(q) @ Wo^T + b     (block_table and seq_lens cut for `window`, if any)
 //   residual <- x + residual; x <- post_norm(residual)
 //   returns down(silu(gate(x)) * up(x))
 // With no parts for gate_up and down it returns post_norm's output (the caller's MLP follows).
@@ -63,7 +63,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& gate_up_bias,
                         const c10::optional<at::Tensor>& down_bias, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale,
-                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
+                        int64_t window, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_table,
                         const at::Tensor& seq_lens) {
   const int64_t num_tokens = hidden.size(0);
@@ -87,7 +88,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
       qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim}).contiguous();
   const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
                                                  kv_cache.select(0, 1), block_table, seq_lens,
-                                                 scale);
+                                                 scale, window, /*softcap=*/0.0);
   at::Tensor x = linear(attn.view({num_tokens, q_size}), 1, o_bias);
   rms_norm(x, residual, post_norm, eps, true);
   // No MLP parts: the caller runs the layer's feed-forward itself (a mixture of experts).

@@ -15,13 +15,15 @@ namespace octavo {
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap);
 
 // prefill_attention.cpp
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale);
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double softcap);
 
 // packed_linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim);
@@ -55,7 +57,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& gate_up_bias,
                         const c10::optional<at::Tensor>& down_bias, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale,
-                        const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t window, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& seq_lens);
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,

@@ -17,7 +17,8 @@ namespace {
 // row against them are one packed_rows call per panel (query rows x keys), the softmax is kept
 // online along each row (a running max and sum), so nothing of seq_len x seq_len is ever held,
 // and the weights meet the values in a second packed_rows call that adds into the output rows.
-// A causal mask only ever cuts a row's tail, so masked keys get weight 0 without being scored.
+// A causal mask only ever cuts a row's tail, so masked keys get weight 0 without being scored;
+// a sliding window cuts its head as well, and key steps before every row's window are skipped.
 // (Gathering inside the items instead read every key once per query tile after it: about half
 // the kernel's time for 256-token prompts.)
 
@@ -31,12 +32,14 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_table, const at::Tensor& query_start,
                                   const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                                  double scale) {
+                                  double scale, int64_t window, double softcap) {
   // query: (num_tokens, num_heads, head_dim) float32 with its heads contiguous within a token
   // (a view into a wider projection is fine); out: the same shape, contiguous; key_cache,
   // value_cache: (num_blocks, block_size, num_kv_heads, head_dim); block_table: (num_chunks,
   // max_blocks) int32; query_start, query_lens, seq_lens: (num_chunks,) int32; chunk c is rows
-  // query_start[c] .. query_start[c] + query_lens[c].
+  // query_start[c] .. query_start[c] + query_lens[c]. window: 0, or a sliding window (a
+  // query at position p sees keys p - window + 1 .. p); softcap: 0, or scores become softcap *
+  // tanh(score / softcap) before the softmax.
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
@@ -54,6 +57,7 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   const cache_t* k_base = key_cache.data_ptr<cache_t>();
   const cache_t* v_base = value_cache.data_ptr<cache_t>();
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
   // Work items in the order (chunk, query tile, kv head); first_item[c] is chunk c's first.
@@ -157,7 +161,9 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         std::fill(row_max.begin(), row_max.begin() + rows, kMinusInf);
         std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
         const int64_t num_keys = first_pos + np;  // the last query sees keys 0..num_keys-1
-        for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyStep) {
+        // Under a window, key steps wholly before the first query's window hold nothing.
+        const int64_t first_key = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) : 0;
+        for (int64_t j0 = first_key / kKeyStep * kKeyStep; j0 < num_keys; j0 += kKeyStep) {
           const int64_t nk = std::min(kKeyStep, num_keys - j0);
           // scores[r][jj] = q_r . k_(j0 + jj) (scaled).
           for (int64_t p = 0; p * kPanel < nk; ++p) {
@@ -168,15 +174,23 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
           // Online softmax along each row, over the keys it sees (a prefix of this step's).
           for (int64_t r = 0; r < rows; ++r) {
             float* s = scores.data() + r * kKeyStep;
-            const int64_t seen = std::clamp<int64_t>(first_pos + r % np - j0 + 1, 0, nk);
-            const float step_max = max_of(s, seen);
+            // The row sees this step's keys lo .. seen - 1 (lo > 0 only under a window).
+            const int64_t pos = first_pos + r % np;
+            const int64_t seen = std::clamp<int64_t>(pos - j0 + 1, 0, nk);
+            const int64_t lo =
+                window > 0 ? std::clamp<int64_t>(pos - window + 1 - j0, 0, seen) : 0;
+            if (fcap > 0.f) {
+              for (int64_t j = lo; j < seen; ++j) s[j] = fcap * std::tanh(s[j] / fcap);
+            }
+            const float step_max = max_of(s + lo, seen - lo);
+            std::fill(s, s + lo, 0.f);
             std::fill(s + seen, s + nk, 0.f);
-            if (seen == 0) continue;  // nothing new for this row (its max and sum stand)
+            if (seen == lo) continue;  // nothing new for this row (its max and sum stand)
             const float new_max = std::max(row_max[r], step_max);
             // exp(-inf) = 0 at a row's first step, where acc and the sum are still 0.
             const float alpha = new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
             row_max[r] = new_max;
-            row_sum[r] = row_sum[r] * alpha + exp_shifted_sum(s, seen, new_max);
+            row_sum[r] = row_sum[r] * alpha + exp_shifted_sum(s + lo, seen - lo, new_max);
             if (alpha != 1.f) {
               float* a = acc.data() + r * head_dim;
               for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
@@ -206,13 +220,16 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double softcap) {
   if (key_cache.scalar_type() == at::kBFloat16) {
     paged_prefill_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
-                                                query_start, query_lens, seq_lens, scale);
+                                                query_start, query_lens, seq_lens, scale, window,
+                                                softcap);
   } else {
     paged_prefill_attention_impl<float>(out, query, key_cache, value_cache, block_table,
-                                        query_start, query_lens, seq_lens, scale);
+                                        query_start, query_lens, seq_lens, scale, window,
+                                        softcap);
   }
 }
 

@@ -43,11 +43,11 @@ bool vectorized() {
 TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+      "Tensor block_table, Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
-      "Tensor seq_lens, float scale) -> ()");
+      "Tensor seq_lens, float scale, int window, float softcap) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
   // Block weights of one or more types as one projection (x quantized once, one parallel pass).
@@ -73,7 +73,8 @@ TORCH_LIBRARY(octavo, m) {
       "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
       "Tensor post_norm, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
       "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor cos, Tensor sin, Tensor(c!) kv_cache, "
+      "int num_heads, int num_kv_heads, int head_dim, float scale, int window, Tensor cos, "
+      "Tensor sin, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
   m.def(
       "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
