@@ -1,0 +1,113 @@
+"""The new families through the whole engine: greedy tokens equal transformers' `generate`.
+
+Each tiny random model (transformers' own config class, saved by the test, with a word-level
+tokenizer over its 256 ids) runs in octavo's LLM with blocks of 4 tokens, chunked prefill
+(16-token budget), prefix caching and a KV pool small enough that the batch preempts; prompts
+are 3-5 times the sliding windows, several sharing a prefix, so chunks and decodes cross the
+window's edge, resumed requests recompute through it and prefix hits start inside it. Every
+request's tokens must be exactly transformers' greedy continuation of its prompt alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from octavo import LLM, SamplingParams
+
+from .tiny import save_tiny_checkpoint
+
+FAMILIES = {
+    "mistral": ("mistral", {"sliding_window": 6, "head_dim": 16}),
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "olmo2": ("olmo2", {}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granite": (
+        "granite",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 2.0,
+        },
+    ),
+}
+NUM_TOKENS = 12
+
+
+def _save_tokenizer(folder) -> None:
+    vocab = {f"t{i}": i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(folder)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 256, (9,), generator=gen).tolist()
+    own = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (11, 6, 14, 3)]
+    return [shared + own[0], shared + own[1], own[2], shared + own[3], own[0] + own[2]]
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_equal_transformers_through_preemption_chunks_and_prefix_hits(
+    tmp_path, family
+):
+    model_type, overrides = FAMILIES[family]
+    hf_model = save_tiny_checkpoint(tmp_path, model_type, seed=21, **overrides)
+    hf_model.generation_config.eos_token_id = None  # run every request to NUM_TOKENS
+    _save_tokenizer(tmp_path)
+    prompts = _prompts()
+    expected = [_hf_greedy(hf_model, prompt) for prompt in prompts]
+
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        kv_cache_tokens=48,  # 12 blocks for five requests of up to 35 tokens: preemption
+        max_num_batched_tokens=16,
+        max_model_len=48,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(out.outputs[0].token_ids) for out in outputs] == expected
+    stats = llm.llm_engine.scheduler.kv_cache_manager
+    assert stats.prefix_cache_hits > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    stats.check_integrity()
+    assert stats.num_free_blocks == stats.num_blocks
