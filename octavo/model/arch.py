@@ -280,6 +280,23 @@ SPECS: tuple[ArchSpec, ...] = (
         gguf_layer_names=_SANDWICH_GGUF_LAYER_NAMES,
         hf_config_extras=_not_written,
     ),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint (model/phi3.py), LongRoPE; llama.cpp
+    # writes the fused tensors too (attn_qkv; ffn_up holding gate and up) and rotates as
+    # transformers does.
+    ArchSpec(
+        name="Phi3ForCausalLM",
+        model_type="phi3",
+        model_class="octavo.model.phi3:Phi3ForCausalLM",
+        gguf_name="phi3",
+        gguf_layer_names=MappingProxyType(
+            {
+                **LLAMA_GGUF_LAYER_NAMES,
+                "attn_qkv": "self_attn.qkv_proj",
+                "ffn_up": "mlp.gate_up_proj",
+            }
+        ),
+        hf_config_extras=_not_written,
+    ),
     # Granite: Llama with four scalars (ModelConfig's multipliers).
     ArchSpec(
         name="GraniteForCausalLM",

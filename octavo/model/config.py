@@ -12,6 +12,7 @@ into a ModelLoadError.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from octavo.model.arch import get_gguf_spec, get_spec
 
 # RoPE variants whose inverse frequencies octavo computes (HF `rope_type` names).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The MLP activations (HF's hidden_act names; Gemma's GeGLU is the tanh GELU).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -301,6 +302,8 @@ def _resolve_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type == "su":  # Phi-3's first name for LongRoPE
+        rope_type = "longrope"
     params.pop("type", None)
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported.")
@@ -311,6 +314,8 @@ def _resolve_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
         )
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "longrope":
+        return float(theta), _longrope(config, params)
     if params.get("factor") is None:
         raise ValueError(f"rope_type={rope_type!r} needs a 'factor'.")
     if rope_type == "llama3":
@@ -318,6 +323,34 @@ def _resolve_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
             if key not in params:
                 raise ValueError(f"rope_type='llama3' needs {key!r}.")
     return float(theta), {"rope_type": rope_type, **params}
+
+
+def _longrope(config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE as transformers computes it: per-frequency divisors, short_factor below
+    original_max_position_embeddings and long_factor beyond, cos and sin scaled by
+    attention_factor (given, or sqrt(1 + ln(factor) / ln(original)) where factor, given or
+    max_position_embeddings / original, exceeds 1)."""
+    original = params.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
+    if not original:
+        raise ValueError("rope_type='longrope' needs 'original_max_position_embeddings'.")
+    for key in ("short_factor", "long_factor"):
+        if not params.get(key):
+            raise ValueError(f"rope_type='longrope' needs {key!r}.")
+    factor = params.get("factor") or int(config.get("max_position_embeddings", 2048)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(f) for f in params["short_factor"]],
+        "long_factor": [float(f) for f in params["long_factor"]],
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _global_rope(config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -41,6 +41,27 @@ FAMILIES = {
         },
     ),
     "olmo2": ("olmo2", {}),
+    # LongRoPE with short factors throughout: transformers' generate, once a sequence outgrows
+    # original_max_position_embeddings, drops its cache and recomputes every position with the
+    # long factors, which octavo does not (it rotates each position by its own set).
+    "phi3": (
+        "phi3",
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "sliding_window": 9,
+            "original_max_position_embeddings": 64,
+            "max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     "granite": (
         "granite",

@@ -211,6 +211,12 @@ GGUF_FAMILIES = {
         {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16},
     ),
     "olmo2": ("olmo2", "olmo2", {}),
+    # Plain RoPE: llama.cpp writes LongRoPE's factors as tensors of their own, not read yet.
+    "phi3": (
+        "phi3",
+        "phi3",
+        {"sliding_window": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "olmoe": ("olmoe", "olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     "granite": (
         "granite",

@@ -38,6 +38,31 @@ LLAMA3_ROPE = {
     # Small, so that the scaled band covers frequencies that matter at positions < 32.
     "original_max_position_embeddings": 16,
 }
+
+
+def _phi3(original: int, **overrides: object) -> dict:
+    """A Phi-3 config with LongRoPE factors that differ per frequency (and ids in the tiny
+    vocabulary: Phi3Config's defaults are of its 32k one)."""
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)],
+        "original_max_position_embeddings": original,
+    }
+    if "attention_factor" in overrides:
+        rope["attention_factor"] = overrides.pop("attention_factor")
+    return {
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "original_max_position_embeddings": original,
+        "max_position_embeddings": 128,
+        "rope_parameters": rope,
+        **overrides,
+    }
+
+
 VARIANTS = {
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "llama_untied_llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
@@ -93,6 +118,14 @@ VARIANTS = {
     ),
     "olmo2": ("olmo2", {}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # Phi-3 with LongRoPE. These tests compare with one whole-sequence forward, where
+    # transformers takes the long factors for every position once the sequence outgrows
+    # original_max_position_embeddings: with an original of 64 they never apply (short factors,
+    # cos/sin scaled by the attention factor of 128 / 64); with an original of 1 they apply to
+    # every position from 1 on, and at position 0 both give angle 0. (Sequences crossing over
+    # while decoding are in test_families_engine.py.)
+    "phi3_longrope_short_window_7": ("phi3", _phi3(original=64, sliding_window=7)),
+    "phi3_longrope_long": ("phi3", _phi3(original=1, attention_factor=1.2)),
     "granite_multipliers": (
         "granite",
         {
@@ -202,6 +235,8 @@ FUSED_OFF = {
     "olmo2": "Olmo2ForCausalLM does not use it",
     "olmoe": "OlmoeForCausalLM does not use it",
     "granite_multipliers": "GraniteForCausalLM does not use it",
+    "phi3_longrope_short_window_7": "Phi3ForCausalLM does not use it",
+    "phi3_longrope_long": "Phi3ForCausalLM does not use it",
 }
 
 

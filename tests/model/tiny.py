@@ -42,6 +42,7 @@ _CONFIG_CLASSES = {
     "olmo2": transformers.Olmo2Config,
     "olmoe": transformers.OlmoeConfig,
     "granite": transformers.GraniteConfig,
+    "phi3": transformers.Phi3Config,
 }
 
 TINY_SHAPE = dict(
@@ -232,6 +233,9 @@ _HF_TO_GGUF_LAYER = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    # Phi-3's fused projections (ffn_up holds gate and up).
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 # The post-norm families (Gemma 2/3, OLMo 2) name their norms otherwise.
 _SANDWICH_TO_GGUF = {
