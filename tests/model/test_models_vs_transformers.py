@@ -228,8 +228,6 @@ def test_asking_for_some_rows_gives_those_rows_of_the_whole_forward(tiny):
 
 # Why the one-call decode layer is off for a variant (on for every other).
 FUSED_OFF = {
-    "qwen3_head_dim_32_tied": "per-head q/k norms",
-    "qwen3_moe_one_dense_layer": "per-head q/k norms",
     "gemma2_window_5_softcaps": "Gemma2ForCausalLM does not use it",
     "gemma3_window_4": "Gemma3ForCausalLM does not use it",
     "olmo2": "Olmo2ForCausalLM does not use it",
@@ -244,9 +242,8 @@ FUSED_OFF = {
 def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch, request):
     """All-decode steps run each layer as one ops.decode_layer call (Llama, Qwen2 with its
     q/k/v biases, Mistral's sliding window; of a mixture of experts the attention half, the
-    experts after it); it must give the layer-by-layer forward's logits bit for bit. Qwen3's
-    per-head q/k norms are not in that kernel, nor the families that do not opt in: the backend
-    does not bind it for them."""
+    experts after it; Qwen3's per-head q/k norms); it must give the layer-by-layer forward's
+    logits bit for bit. The families that do not opt in keep their own forward."""
     model, backend = load(tiny[1])
     off = FUSED_OFF.get(request.node.callspec.params["tiny"])
     supported = off is None

@@ -76,8 +76,9 @@ class FusedDecodeLayers:
 
 def incompatibility(model: nn.Module) -> str | None:
     """Why the fused layer cannot run this loaded model, or None if it can: the architecture
-    opted in, every layer is the Llama layer, SiLU, no per-head q/k norms, float32 RMSNorms of
-    one eps per layer, and every projection packed or in block kernel parts (kernel_parts).
+    opted in, every layer is the Llama layer, SiLU, q/k norms (if any) per head, no soft-cap or
+    residual multiplier, float32 RMSNorms of one eps per layer, and every projection packed or
+    in block kernel parts (kernel_parts).
     A mixture of experts in place of the MLP runs after the kernel's call (the attention
     half): as one moe_feed_forward call where its weights allow, else in its own forward."""
     from octavo.model.layers.mlp import GatedMLP
@@ -95,8 +96,10 @@ def incompatibility(model: nn.Module) -> str | None:
         if not isinstance(layer.mlp, (GatedMLP, SparseMoE)):
             return f"{type(layer.mlp).__name__} in place of the gated MLP"
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qk_norm:
-            return "per-head q/k norms" if attn.qk_norm == "head" else "q/k norms"
+        if attn.qk_norm == "full":
+            return "q/k norms over whole projections"
+        if attn.qk_norm and attn.q_norm.eps != layer.input_layernorm.eps:
+            return "the q/k norms' eps differs from the layer's"
         if attn.attn.softcap:
             return "soft-capped attention"
         if layer.residual_multiplier != 1.0:
@@ -196,6 +199,7 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
         parts = [kernel_parts(linear.weight_format) for linear in projections]
         parts += [[] for _ in range(4 - len(parts))]  # no MLP parts: the MLP runs after
         biases = [linear.bias for linear in projections] + [None] * (4 - len(projections))
+        head_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
         weights, weight_limits = _kernel_args(parts)
         limits += weight_limits
         layer_args.append(
@@ -205,6 +209,7 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 norms[0].eps,
                 *weights,
                 *biases,
+                *head_norms,
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,

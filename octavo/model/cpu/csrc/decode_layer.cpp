@@ -45,7 +45,8 @@ struct Projections {
 // calls them, so the results are the same bit for bit. It exists because at small batches the
 // ~25 torch ops and Python calls around the kernels of each layer cost as much as the work.
 //   residual <- hidden + residual; x <- input_norm(residual)            (in place)
-//   q, k, v <- split(x @ Wqkv^T + b); rotary on q and k; k, v -> cache at slot_mapping
+//   q, k, v <- split(x @ Wqkv^T + b); per-head norms of q and k where given (Qwen3);
+//   rotary on q and k; k, v -> cache at slot_mapping
 //   x <- paged_attention(q) @ Wo^T + b     (block_table and seq_lens cut for `window`, if any)
 //   residual <- x + residual; x <- post_norm(residual)
 //   returns down(silu(gate(x)) * up(x))
@@ -61,7 +62,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
                         const c10::optional<at::Tensor>& gate_up_bias,
-                        const c10::optional<at::Tensor>& down_bias, int64_t num_heads,
+                        const c10::optional<at::Tensor>& down_bias,
+                        const c10::optional<at::Tensor>& q_norm,
+                        const c10::optional<at::Tensor>& k_norm, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale,
                         int64_t window, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache,
@@ -78,14 +81,27 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   };
   rms_norm(hidden, residual, input_norm, eps, true);
   at::Tensor qkv = linear(hidden, 0, qkv_bias);
-  rotary(qkv.narrow(1, 0, q_size + kv_size).view({num_tokens, num_heads + num_kv_heads, head_dim}),
-         cos, sin);
-  const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
   const at::Tensor value =
       qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
+  if (q_norm.has_value()) {
+    // Qwen3's per-head norms, as TorchOps.rms_norm_heads computes them (the same ATen ops in
+    // the same order), then rotary on each result, as the Python layer does.
+    auto head_norm = [&](const at::Tensor& x, const at::Tensor& weight) {
+      return weight * (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps));
+    };
+    query = head_norm(query, *q_norm);
+    key = head_norm(key, *k_norm);
+    rotary(query, cos, sin);
+    rotary(key, cos, sin);
+  } else {
+    rotary(qkv.narrow(1, 0, q_size + kv_size)
+               .view({num_tokens, num_heads + num_kv_heads, head_dim}),
+           cos, sin);
+    query = query.contiguous();
+  }
   write_kv_cache(key, value, kv_cache, slot_mapping);
-  const at::Tensor query =
-      qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim}).contiguous();
   const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
                                                  kv_cache.select(0, 1), block_table, seq_lens,
                                                  scale, window, /*softcap=*/0.0);
