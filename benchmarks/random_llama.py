@@ -12,7 +12,8 @@ the work per token is that of a real model of this shape.
 With --experts N the MLP of every layer is N experts of --intermediate, --experts-used of them
 per token, written as llama.cpp writes Mixtral ("llama" with an expert count, the router as
 ffn_gate_inp, each expert stack as one 3-D ffn_*_exps tensor), so that octavo and llama.cpp
-serve the same mixture-of-experts file.
+serve the same mixture-of-experts file. --arch qwen3 writes Qwen3's layout instead (per-head
+q/k norms; with --experts, "qwen3moe", renormalised top-k).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=0)
     parser.add_argument("--experts-used", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama")
     ns = parser.parse_args(argv)
     source = GGUFReader(find_default_model())
-    writer = GGUFWriter(str(ns.out), "llama")
+    arch = ns.arch if ns.arch == "llama" or not ns.experts else "qwen3moe"
+    writer = GGUFWriter(str(ns.out), arch)
     copy_gguf_metadata(source, writer, skip_prefixes=("llama.",))
     vocab = len(source.get_field("tokenizer.ggml.tokens").data)
     head_dim = ns.hidden // ns.heads
@@ -60,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.experts:
         writer.add_expert_count(ns.experts)
         writer.add_expert_used_count(ns.experts_used)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(ns.intermediate)
+            writer.add_expert_weights_norm(True)
+    if ns.arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rng = np.random.default_rng(ns.seed)
     count = 0
 
@@ -86,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         matrix(f"blk.{i}.attn_k.weight", kv, ns.hidden)
         matrix(f"blk.{i}.attn_v.weight", kv, ns.hidden)
         matrix(f"blk.{i}.attn_output.weight", ns.hidden, ns.hidden)
+        if ns.arch == "qwen3":
+            vector(f"blk.{i}.attn_q_norm.weight", head_dim)
+            vector(f"blk.{i}.attn_k_norm.weight", head_dim)
         vector(f"blk.{i}.ffn_norm.weight", ns.hidden)
         if ns.experts:
             matrix(f"blk.{i}.ffn_gate_inp.weight", ns.experts, ns.hidden)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from octavo.core.kv_cache_manager import sliding_window_blocks
+
 if TYPE_CHECKING:
     from octavo.model.config import ModelConfig
 
@@ -65,6 +67,9 @@ class CacheConfig:
     bytes_per_token: int = 0
     # The cache tensors' dtype ("" when no model is attached).
     dtype: str = ""
+    # The window of every layer when all of them slide (and the hybrid KV cache manager is on):
+    # blocks before it go back to the pool as requests move on. 0: every block is kept.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -230,6 +235,11 @@ class EngineArgs:
         f"{DEFAULT_GPU_BLOCK_SIZE} elsewhere)",
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False,
+        "keep every KV block of a sliding-window model (default: blocks a window no longer "
+        "sees go back to the pool)",
+    )
     seed: int = setting(0, "seed of the engine's random state")
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
     admission: str = setting(
@@ -369,7 +379,22 @@ class EngineArgs:
             DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
         )
         num_blocks = self._num_kv_blocks(block_size, bytes_per_token, platform)
-        max_model_len = self._max_model_len(model_config, num_blocks * block_size)
+        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        # The hybrid manager frees blocks before a window where every layer has that window
+        # (Mistral, Phi-3); with full layers among them (Gemma) every block is still kept.
+        every_layer_slides = len(model_config.sliding_layers) == model_config.num_hidden_layers
+        sliding_window = (
+            model_config.sliding_window
+            if every_layer_slides and not self.disable_hybrid_kv_cache_manager
+            else 0
+        )
+        capacity = num_blocks * block_size
+        if sliding_window:
+            # A request holds at most this much however long it grows.
+            held = sliding_window_blocks(sliding_window, block_size, max_num_batched_tokens)
+            if held <= num_blocks:
+                capacity = model_config.max_position_embeddings
+        max_model_len = self._max_model_len(model_config, capacity)
         long_prefill = self.long_prefill_token_threshold
         if long_prefill is None:
             long_prefill = DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD if on_cpu else 0
@@ -387,12 +412,11 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 bytes_per_token=bytes_per_token,
                 dtype=kv_cache_dtype,
+                sliding_window=sliding_window,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=(
-                    self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-                ),
+                max_num_batched_tokens=max_num_batched_tokens,
                 long_prefill_token_threshold=long_prefill,
                 max_model_len=max_model_len,
                 admission=self.admission,
@@ -491,14 +515,28 @@ def kv_cache_bytes_per_token(model_config: ModelConfig, dtype: str) -> int:
     return model_config.num_hidden_layers * per_layer
 
 
-def capacity_line(cache: CacheConfig, max_model_len: int) -> str:
+def capacity_line(
+    cache: CacheConfig, max_model_len: int, max_num_batched_tokens: int | None = None
+) -> str:
     """The start-up line users size deployments by."""
     mib = cache.num_tokens * cache.bytes_per_token / (1 << 20)
     fit = cache.num_tokens // max_model_len
+    window = ""
+    if cache.sliding_window:
+        chunk = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        held = min(
+            sliding_window_blocks(cache.sliding_window, cache.block_size, chunk),
+            -(-max_model_len // cache.block_size),
+        )
+        fit = cache.num_blocks // held
+        window = (
+            f" (sliding window {cache.sliding_window}: each holds at most {held} blocks, "
+            "the rest go back to the pool)"
+        )
     return (
         f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
         f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}); "
-        f"{fit} requests of max_model_len ({max_model_len}) fit"
+        f"{fit} requests of max_model_len ({max_model_len}) fit{window}"
     )
 
 

@@ -4,6 +4,15 @@ It turns token counts into blocks and blocks into ids for the runner. It owns th
 block lists and the prefix-cache counters; the BlockPool owns the blocks themselves. It must
 not decide who runs (the scheduler and its admission policy do) and never changes a Request:
 it reads `request_id`, `all_token_ids`, `num_computed_tokens` and `block_hashes` only.
+
+With a sliding window W (a model whose every layer sees only its last W positions), a block
+no later query of its request can see goes back to the pool as soon as the request has
+computed past it, and its place in the request's list holds NULL_BLOCK, so list index i still
+stands for positions i * block_size ..: a request then holds at most the blocks of its last W
+positions plus those of the chunk it computes. A prefix hit needs only the cached blocks of
+the W - 1 positions before the hit point (the earlier ones may long be gone). The runner's
+block table keeps its ids for the freed places; attention never reads blocks before a window
+(AttentionMetadata.for_window), so they are never read there either.
 """
 
 from __future__ import annotations
@@ -14,13 +23,32 @@ from collections.abc import Sequence
 from octavo.core.block_pool import Block, BlockPool
 from octavo.core.request import Request
 
+# The place of a block a sliding window has left: not in the pool, never freed or cached; the
+# runner's table holds id 0 for it, which attention never reads (its ref_cnt is never 0, so
+# the scheduler's count of free hit blocks passes over it).
+NULL_BLOCK = Block(0, ref_cnt=1)
+
+
+def sliding_window_blocks(window: int, block_size: int, num_new_tokens: int) -> int:
+    """The most blocks a request under a sliding window holds while it computes a chunk of
+    num_new_tokens: those of the window - 1 positions before the chunk and of the chunk, one
+    more where they straddle a block edge."""
+    return -(-(window - 1 + num_new_tokens) // block_size) + 1
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int = 0
+    ) -> None:
+        """sliding_window: 0, or the window of every layer of the model (its blocks before the
+        window are given back as the request moves on)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
         # How many leading blocks of each request have been offered to the prefix cache.
@@ -45,6 +73,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """The pool's blocks the request holds (its places a window has left not counted)."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        return sum(1 for block in blocks if block is not NULL_BLOCK)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest chain of cached blocks that starts the request's tokens, and the number
         of tokens it covers. Changes nothing (blocks are taken by `allocate_slots`).
@@ -57,6 +90,8 @@ class KVCacheManager:
         block_size = self.block_size
         token_ids = request.all_token_ids
         max_num_blocks = (request.num_tokens - 1) // block_size
+        if self.sliding_window:
+            return self._computed_window_blocks(request, max_num_blocks)
         blocks: list[Block] = []
         for block_idx, block_hash in enumerate(request.block_hashes[:max_num_blocks]):
             begin = block_idx * block_size
@@ -66,6 +101,47 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * block_size
+
+    def _computed_window_blocks(
+        self, request: Request, max_num_blocks: int
+    ) -> tuple[list[Block], int]:
+        """get_computed_blocks under a sliding window: the longest hit whose last blocks, those
+        the first computed position's window reaches back into, are all cached (a block's key
+        chains every block before it, so a cached block vouches for the whole prefix); NULL_BLOCK
+        in the places before them."""
+        block_size = self.block_size
+        token_ids = request.all_token_ids
+        found: list[Block | None] = []
+        run = best = 0
+        for block_idx, block_hash in enumerate(request.block_hashes[:max_num_blocks]):
+            begin = block_idx * block_size
+            block_tokens = tuple(token_ids[begin : begin + block_size])
+            block = self.block_pool.get_cached_block(block_hash, block_tokens)
+            found.append(block)
+            run = run + 1 if block is not None else 0
+            if run and run >= block_idx + 1 - self._skipped(begin + block_size):
+                best = block_idx + 1
+        first = self._skipped(best * block_size)
+        blocks = [NULL_BLOCK] * first + [b for b in found[first:best] if b is not None]
+        return blocks, best * block_size
+
+    def _skipped(self, num_computed: int) -> int:
+        """How many leading blocks no query from position num_computed on can see."""
+        if not self.sliding_window:
+            return 0
+        return max(num_computed - self.sliding_window + 1, 0) // self.block_size
+
+    def _free_skipped_blocks(self, held: list[Block], num_computed: int) -> None:
+        """Give back the held blocks the window has left, NULL_BLOCK in their places."""
+        end = min(self._skipped(num_computed), len(held))
+        start = end
+        while start > 0 and held[start - 1] is not NULL_BLOCK:
+            start -= 1
+        if start == end:
+            return
+        skipped = held[start:end]
+        held[start:end] = [NULL_BLOCK] * (end - start)
+        self.block_pool.free_blocks(skipped)
 
     def allocate_slots(
         self,
@@ -94,6 +170,9 @@ class KVCacheManager:
         held = self.req_to_blocks.get(request_id)
         if new_computed_blocks and (held or request.num_computed_tokens):
             raise ValueError(f"request {request_id!r} already has KV; it cannot take hits.")
+        if held and self.sliding_window:
+            # Before counting what is free: what the window has left is free again.
+            self._free_skipped_blocks(held, request.num_computed_tokens)
         block_size = self.block_size
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * block_size
         num_total_tokens = num_computed + num_new_tokens
@@ -102,6 +181,7 @@ class KVCacheManager:
         num_new_blocks = max(num_required_blocks - num_held_blocks, 0)
         # A hit on a free cached block takes it out of the free queue as well.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        hit_blocks = [block for block in new_computed_blocks if block is not NULL_BLOCK]
         if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
 
@@ -112,7 +192,7 @@ class KVCacheManager:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed_blocks) * block_size
         # Touch before taking new blocks: a free hit must not be evicted by get_new_blocks.
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         held.extend(new_computed_blocks)
         held.extend(new_blocks)
@@ -135,7 +215,7 @@ class KVCacheManager:
             return
         self.block_pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
         # Reverse order: the pool evicts a request's tail before its head.
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while any block is held."""
@@ -146,7 +226,10 @@ class KVCacheManager:
         requests holding it (so with no request registered, every block is free)."""
         self.block_pool.check_integrity()
         holders = Counter(
-            block.block_id for blocks in self.req_to_blocks.values() for block in blocks
+            block.block_id
+            for blocks in self.req_to_blocks.values()
+            for block in blocks
+            if block is not NULL_BLOCK
         )
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])

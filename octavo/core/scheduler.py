@@ -75,7 +75,10 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
         )
         self.policy = policy if policy is not None else make_admission_policy(scheduler_config)
         # Unfinished requests only; a request leaves when it finishes or is aborted.

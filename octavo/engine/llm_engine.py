@@ -95,7 +95,13 @@ class LLMEngine:
         logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
         logger.info("resolved configuration: %s", config.to_json())
         logger.info(weights_line(backend.weights_report.get("bytes_by_type", {})))
-        logger.info(capacity_line(config.cache, config.scheduler.max_model_len))
+        logger.info(
+            capacity_line(
+                config.cache,
+                config.scheduler.max_model_len,
+                config.scheduler.max_num_batched_tokens,
+            )
+        )
         tokenizer = load_tokenizer(config.model, config.chat_template)
         model_config = runner.model_config
         eos = model_config.eos_token_ids or (

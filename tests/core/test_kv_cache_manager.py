@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from octavo.core.block_hash import extend_block_hashes
-from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, sliding_window_blocks
 from octavo.core.request import Request
 
 from .utils import make_request
@@ -200,3 +200,118 @@ def test_hits_only_at_admission() -> None:
     with pytest.raises(ValueError, match="already has KV"):
         kv.allocate_slots(a, 1, blocks)
     finish(kv, a)
+
+
+# ---------------------------------------------------------------------- sliding window
+
+
+def decode(kv: KVCacheManager, req: Request, token: int) -> list[int] | None:
+    """One decode step of `req`: its newest token computed, then one more known."""
+    block_ids = kv.allocate_slots(req, 1)
+    if block_ids is not None:
+        req.num_computed_tokens += 1
+        req.append_output_token_ids([token])
+        extend_block_hashes(req.block_hashes, req.all_token_ids, BLOCK_SIZE)
+    return block_ids
+
+
+def test_a_window_frees_the_blocks_it_has_left_with_exact_ids() -> None:
+    """Window 6, blocks of 4: computing position p reads keys p - 5 .. p, so block b goes back
+    to the pool once the next position to compute is 4b + 9 or more. While it decodes the
+    request holds at most ceil(6 / 4) + 1 = 3 blocks, and exactly those its window reaches."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True, sliding_window=6)
+    a = request("a", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]  # positions 0..9
+    pool = kv.block_pool.blocks
+    held = []
+    for step in range(12):
+        assert decode(kv, a, 100 + step) is not None
+        held.append([b.block_id for b in kv.req_to_blocks["a"] if b is not NULL_BLOCK])
+        kv.check_integrity()
+    # Position 10 (keys 5..10) no longer reads block 0; 12 takes block 3 (the first free one:
+    # block 0 went to the back of the queue); 13 (keys 8..13) leaves block 1; 16 takes block 4
+    # (then 5), 17 leaves block 2, 20 takes a sixth place, 21 leaves block 3.
+    assert held == [
+        [1, 2],
+        [1, 2],
+        [1, 2, 3],
+        [2, 3],
+        [2, 3],
+        [2, 3],
+        [2, 3, 4],
+        [3, 4],
+        [3, 4],
+        [3, 4],
+        [3, 4, 5],
+        [4, 5],
+    ]
+    assert pool[0].ref_cnt == pool[1].ref_cnt == pool[2].ref_cnt == 0
+    # The list keeps its places, NULL_BLOCK (id 0) where blocks went back; the runner's table
+    # lines up with positions.
+    places = kv.req_to_blocks["a"]
+    assert len(places) == -(-a.num_tokens // BLOCK_SIZE) == 6
+    assert places[:4] == [NULL_BLOCK] * 4 and kv.num_held_blocks("a") == 2
+    assert max(len(ids) for ids in held) == sliding_window_blocks(6, BLOCK_SIZE, 1) == 3
+    finish(kv, a)
+
+
+def test_a_long_request_fits_a_pool_smaller_than_it_under_a_window() -> None:
+    """10 blocks = 40 tokens; under a window of 6 a request decodes to 60 tokens."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=False, sliding_window=6)
+    a = request("a", list(range(7)))
+    assert admit(kv, a) is not None
+    for step in range(53):
+        assert decode(kv, a, 200 + step) is not None
+        assert kv.num_held_blocks("a") <= 3
+        kv.check_integrity()
+    assert a.num_tokens == 60
+    finish(kv, a)
+    without = KVCacheManager(10, BLOCK_SIZE, enable_caching=False)
+    b = request("b", list(range(7)))
+    admit(without, b)
+    steps = 0
+    while decode(without, b, 1) is not None:
+        steps += 1
+    assert steps == 40 - 7  # the full pool, then no block for position 40
+
+
+def test_a_window_hit_needs_only_the_blocks_its_window_reaches() -> None:
+    """A finished request's first blocks lose their keys (evicted for other data); a new
+    request with the same prompt still hits 16 of its 17 tokens: the first position it
+    computes (16) reads keys 11..16 only, in blocks 2 and 3."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True, sliding_window=6)
+    prompt = list(range(17))
+    a = request("a", prompt)
+    admit(kv, a)  # blocks 0..4, 0..3 cached (full)
+    kv.free(a)
+    kv.block_pool.uncache_blocks([kv.block_pool.blocks[0], kv.block_pool.blocks[1]])
+    b = request("b", prompt)
+    blocks, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 16
+    assert blocks[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert [blk.block_id for blk in blocks[2:]] == [2, 3]
+    assert kv.allocate_slots(b, 1, blocks) is not None
+    assert kv.num_held_blocks("b") == 3
+    kv.check_integrity()
+    # Without the window the same lookup stops at the first missing block.
+    plain = KVCacheManager(10, BLOCK_SIZE, enable_caching=True)
+    c = request("c", prompt)
+    admit(plain, c)
+    plain.free(c)
+    plain.block_pool.uncache_blocks([plain.block_pool.blocks[0]])
+    assert plain.get_computed_blocks(request("d", prompt))[1] == 0
+    finish(kv, b)
+
+
+def test_a_hit_is_not_taken_where_a_block_inside_the_window_is_missing() -> None:
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True, sliding_window=6)
+    prompt = list(range(17))
+    a = request("a", prompt)
+    admit(kv, a)
+    kv.free(a)
+    kv.block_pool.uncache_blocks([kv.block_pool.blocks[2]])  # inside the window of 16
+    blocks, num_hit_tokens = kv.get_computed_blocks(request("b", prompt))
+    # Hit point 12 needs keys 7..11 (blocks 1, 2): 2 is gone. Hit point 8 needs 3..7 (blocks
+    # 0, 1): both cached.
+    assert num_hit_tokens == 8 and [blk.block_id for blk in blocks] == [0, 1]
+    assert blocks[0] is not NULL_BLOCK

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from octavo import LLM, SamplingParams
+from octavo.core.kv_cache_manager import sliding_window_blocks
 
 from .tiny import save_tiny_checkpoint
 
@@ -132,3 +133,48 @@ def test_greedy_tokens_equal_transformers_through_preemption_chunks_and_prefix_h
     assert llm.llm_engine.scheduler.num_preemptions > 0
     stats.check_integrity()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_under_a_window_a_request_outgrows_the_pool_and_holds_only_its_window(tmp_path):
+    """Mistral with a window of 6 on every layer, blocks of 4, a pool of 12 blocks (48
+    tokens): the hybrid KV cache manager gives back the blocks the window has left, so one
+    request runs to 90 tokens (max_model_len 96 is accepted beyond the pool) holding at most
+    ceil(6 / 4) + 1 blocks for each 1-token step (4 with the 16-token prompt chunk), with
+    transformers' tokens; --disable-hybrid-kv-cache-manager keeps every block, and then
+    max_model_len must fit the pool."""
+    model_type, overrides = FAMILIES["mistral"]
+    hf_model = save_tiny_checkpoint(tmp_path, model_type, seed=21, **overrides)
+    hf_model.generation_config.eos_token_id = None
+    _save_tokenizer(tmp_path)
+    prompt = _prompts()[0]  # 20 tokens
+    with torch.no_grad():
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=70, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    args = dict(
+        dtype="float32",
+        block_size=4,
+        kv_cache_tokens=48,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+    )
+    llm = LLM(str(tmp_path), **args)
+    engine = llm.llm_engine
+    assert engine.config.cache.sliding_window == 6
+    kv = engine.scheduler.kv_cache_manager
+    engine.add_request(
+        "r",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True),
+    )
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        if "r" in kv.req_to_blocks:
+            held.append(kv.num_held_blocks("r"))
+    assert tokens == expected
+    assert max(held) <= sliding_window_blocks(6, 4, 16) and held[-1] <= 3
+    assert kv.num_free_blocks == kv.num_blocks
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **args)
