@@ -3,10 +3,11 @@
 For each `--batch-sizes` entry N: N random-token prompts of `--context-len` tokens are
 prefilled, a few warm-up steps run, then `--steps` decode steps of all N requests are timed one
 by one (schedule, forward, sample, output processing: the whole engine step). Reports the
-median and fastest step and N / median as decode tok/s; the requests are then aborted (their
-blocks return to the pool) before the next size. This is the number the CPU kernels are judged
-by (benchmarks/history/, "Decode steps"): serving throughput adds prefill and the HTTP side
-on top of it. Ends with one JSON line.
+median and fastest step, N / median as decode tok/s and the KV tokens the batch holds at the
+end (blocks in use x block size: under a sliding window far less than the context); the
+requests are then aborted (their blocks return to the pool) before the next size. This is
+the number the CPU kernels are judged by (benchmarks/history/, "Decode steps"): serving
+throughput adds prefill and the HTTP side on top of it. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
             start = time.perf_counter()
             engine.step()
             times_ms.append((time.perf_counter() - start) * 1e3)
+        # What the batch holds of the KV pool at its longest (a sliding window's blocks gone).
+        kv = scheduler.kv_cache_manager
+        blocks_in_use = kv.num_blocks - kv.num_free_blocks
         engine.abort_request(request_ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -104,11 +108,13 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
                 "step_ms_median": round(median, 2),
                 "step_ms_min": round(min(times_ms), 2),
                 "decode_tokens_per_s": round(size * 1e3 / median, 1),
+                "kv_tokens_held": blocks_in_use * kv.block_size,
             }
         )
         print(
             f"batch {size:4d}: step {median:8.1f} ms median, {min(times_ms):8.1f} ms min, "
-            f"{size * 1e3 / median:7.1f} decode tok/s",
+            f"{size * 1e3 / median:7.1f} decode tok/s, KV held {blocks_in_use * kv.block_size} "
+            "tokens",
             flush=True,
         )
     print(

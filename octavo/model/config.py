@@ -262,7 +262,17 @@ class ModelConfig:
             if get(key) is not None:
                 hf[hf_key] = get(key)
         scaling_type = get("rope.scaling.type")
-        if scaling_type not in (None, "none"):
+        if "rope.long_factor" in metadata:
+            # LongRoPE (Phi-3): the factors come from their tensors (the loader puts them here),
+            # the scale of cos/sin and the pretraining context from rope.scaling.*.
+            hf["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": metadata["rope.long_factor"],
+                "short_factor": metadata["rope.short_factor"],
+                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                "attention_factor": get("rope.scaling.attn_factor"),
+            }
+        elif scaling_type not in (None, "none"):
             hf["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor")}
         # llama.cpp stops on end-of-turn tokens as well as EOS; keep both, EOS first.
         eos_ids = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]

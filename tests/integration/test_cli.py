@@ -84,6 +84,8 @@ def test_bench_decode_times_every_batch_size(capsys) -> None:
         assert row["decode_tokens_per_s"] == pytest.approx(
             row["batch_size"] * 1e3 / row["step_ms_median"], rel=1e-3, abs=0.1
         )
+        # Every request holds its context (20 prompt tokens, the warm-up and timed steps).
+        assert row["kv_tokens_held"] >= row["batch_size"] * (20 + 5 + 2)
 
 
 def test_bench_decode_rejects_bad_batch_sizes(capsys) -> None:

@@ -211,11 +211,33 @@ GGUF_FAMILIES = {
         {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16},
     ),
     "olmo2": ("olmo2", "olmo2", {}),
-    # Plain RoPE: llama.cpp writes LongRoPE's factors as tensors of their own, not read yet.
     "phi3": (
         "phi3",
         "phi3",
         {"sliding_window": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # LongRoPE: llama.cpp writes the factors as tensors of their own (rope_factors_long /
+    # _short) and the attention factor and original context as rope.scaling keys. An original
+    # of 1 puts every position from 1 on under the long factors (as in transformers' whole-
+    # sequence forward, which these logits are compared with).
+    "phi3_longrope": (
+        "phi3",
+        "phi3",
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "original_max_position_embeddings": 1,
+            "max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "original_max_position_embeddings": 1,
+                "attention_factor": 1.2,
+            },
+        },
     ),
     "olmoe": ("olmoe", "olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     "granite": (

@@ -9,6 +9,7 @@ backend and dtypes asked for. `PagedHarness` owns a block pool with shuffled blo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -411,6 +412,19 @@ def write_tiny_gguf(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, key, None):
             getattr(writer, f"add_{key}")(getattr(config, key))
+    rope_type = rope.get("rope_type")
+    if arch == "phi3" and rope_type == "longrope":
+        # As llama.cpp's converter: the factors as tensors, the rest as rope.scaling keys.
+        original = rope["original_max_position_embeddings"]
+        factor = config.max_position_embeddings / original
+        scale = rope.get("attention_factor") or math.sqrt(1 + math.log(factor) / math.log(original))
+        writer.add_rope_scaling_attn_factors(scale)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for key, name in (
+            ("long_factor", "rope_factors_long"),
+            ("short_factor", "rope_factors_short"),
+        ):
+            writer.add_tensor(f"{name}.weight", np.asarray(rope[key], dtype=np.float32))
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)

