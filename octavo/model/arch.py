@@ -305,6 +305,7 @@ SPECS: tuple[ArchSpec, ...] = (
         gguf_name="granite",
         gguf_permute_qk=True,
         hf_config_extras=_not_written,
+        fused_decode_layer=True,
     ),
     # OLMoE: Llama-style pre-norms, q/k norms over whole projections, 64 experts of
     # intermediate_size each.
@@ -316,6 +317,7 @@ SPECS: tuple[ArchSpec, ...] = (
         qk_norm="full",
         gguf_layer_names=_LLAMA_MOE_LAYER_NAMES,
         hf_config_extras=_not_written,
+        fused_decode_layer=True,
         moe="olmoe",
     ),
 )

@@ -231,8 +231,6 @@ FUSED_OFF = {
     "gemma2_window_5_softcaps": "Gemma2ForCausalLM does not use it",
     "gemma3_window_4": "Gemma3ForCausalLM does not use it",
     "olmo2": "Olmo2ForCausalLM does not use it",
-    "olmoe": "OlmoeForCausalLM does not use it",
-    "granite_multipliers": "GraniteForCausalLM does not use it",
     "phi3_longrope_short_window_7": "Phi3ForCausalLM does not use it",
     "phi3_longrope_long": "Phi3ForCausalLM does not use it",
 }
@@ -242,7 +240,8 @@ FUSED_OFF = {
 def test_one_call_decode_layers_equal_the_layer_by_layer_forward(tiny, monkeypatch, request):
     """All-decode steps run each layer as one ops.decode_layer call (Llama, Qwen2 with its
     q/k/v biases, Mistral's sliding window; of a mixture of experts the attention half, the
-    experts after it; Qwen3's per-head q/k norms); it must give the layer-by-layer forward's
+    experts after it; Qwen3's per-head q/k norms, OLMoE's over the projections, Granite's
+    residual multiplier); it must give the layer-by-layer forward's
     logits bit for bit. The families that do not opt in keep their own forward."""
     model, backend = load(tiny[1])
     off = FUSED_OFF.get(request.node.callspec.params["tiny"])

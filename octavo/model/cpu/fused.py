@@ -76,8 +76,8 @@ class FusedDecodeLayers:
 
 def incompatibility(model: nn.Module) -> str | None:
     """Why the fused layer cannot run this loaded model, or None if it can: the architecture
-    opted in, every layer is the Llama layer, SiLU, q/k norms (if any) per head, no soft-cap or
-    residual multiplier, float32 RMSNorms of one eps per layer, and every projection packed or
+    opted in, every layer is the Llama layer, SiLU, no soft-cap, float32 RMSNorms of one eps per
+    layer, and every projection packed or
     in block kernel parts (kernel_parts).
     A mixture of experts in place of the MLP runs after the kernel's call (the attention
     half): as one moe_feed_forward call where its weights allow, else in its own forward."""
@@ -96,14 +96,10 @@ def incompatibility(model: nn.Module) -> str | None:
         if not isinstance(layer.mlp, (GatedMLP, SparseMoE)):
             return f"{type(layer.mlp).__name__} in place of the gated MLP"
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qk_norm == "full":
-            return "q/k norms over whole projections"
         if attn.qk_norm and attn.q_norm.eps != layer.input_layernorm.eps:
             return "the q/k norms' eps differs from the layer's"
         if attn.attn.softcap:
             return "soft-capped attention"
-        if layer.residual_multiplier != 1.0:
-            return "a residual multiplier"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.weight.dtype != torch.float32 for norm in norms):
             return "norm weights are not float32"
@@ -199,7 +195,8 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
         parts = [kernel_parts(linear.weight_format) for linear in projections]
         parts += [[] for _ in range(4 - len(parts))]  # no MLP parts: the MLP runs after
         biases = [linear.bias for linear in projections] + [None] * (4 - len(projections))
-        head_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        qk_norm_kind = {"": 0, "head": 1, "full": 2}[attn.qk_norm]
         weights, weight_limits = _kernel_args(parts)
         limits += weight_limits
         layer_args.append(
@@ -209,7 +206,9 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 norms[0].eps,
                 *weights,
                 *biases,
-                *head_norms,
+                *qk_norms,
+                qk_norm_kind,
+                layer.residual_multiplier,
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,

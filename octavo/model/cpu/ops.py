@@ -172,10 +172,11 @@ def decode_layer(
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
     and sizes, (input_norm, post_norm, eps, weights, kinds, rows, parts, qkv_bias, o_bias,
-    gate_up_bias, down_bias, q_norm, k_norm, num_heads, num_kv_heads, head_dim, scale, window):
-    the four projections' weights as parts (packed, or GGML blocks with their type id;
-    decode_layer.cpp), optional biases and optional per-head q/k norm weights (Qwen3; fused.py
-    builds them all); cos, sin: (num_tokens,
+    gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind, residual_multiplier, num_heads,
+    num_kv_heads, head_dim, scale, window): the four projections' weights as parts (packed, or
+    GGML blocks with their type id; decode_layer.cpp), optional biases, optional q/k norm
+    weights (qk_norm_kind 1: per head, Qwen3; 2: over the projections, OLMoE; 0: none) and
+    the scale of each sublayer's output (Granite; fused.py builds them all); cos, sin: (num_tokens,
     head_dim) float32; the last three as for paged_decode_attention (cut for the layer's
     window: 0 or its sliding window), slot_mapping as for write_kv_cache.
     Returns the layer's output."""

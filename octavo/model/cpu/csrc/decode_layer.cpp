@@ -45,11 +45,13 @@ struct Projections {
 // calls them, so the results are the same bit for bit. It exists because at small batches the
 // ~25 torch ops and Python calls around the kernels of each layer cost as much as the work.
 //   residual <- hidden + residual; x <- input_norm(residual)            (in place)
-//   q, k, v <- split(x @ Wqkv^T + b); per-head norms of q and k where given (Qwen3);
+//   q, k, v <- split(x @ Wqkv^T + b); q/k norms where given (per head: Qwen3; over the
+//   projections: OLMoE);
 //   rotary on q and k; k, v -> cache at slot_mapping
 //   x <- paged_attention(q) @ Wo^T + b     (block_table and seq_lens cut for `window`, if any)
+//   x <- x * residual_multiplier                                        (Granite; else 1)
 //   residual <- x + residual; x <- post_norm(residual)
-//   returns down(silu(gate(x)) * up(x))
+//   returns down(silu(gate(x)) * up(x)) * residual_multiplier
 // With no parts for gate_up and down it returns post_norm's output (the caller's MLP follows).
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
@@ -64,7 +66,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& gate_up_bias,
                         const c10::optional<at::Tensor>& down_bias,
                         const c10::optional<at::Tensor>& q_norm,
-                        const c10::optional<at::Tensor>& k_norm, int64_t num_heads,
+                        const c10::optional<at::Tensor>& k_norm, int64_t qk_norm_kind,
+                        double residual_multiplier, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale,
                         int64_t window, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache,
@@ -85,7 +88,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   const at::Tensor value =
       qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
   at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
-  if (q_norm.has_value()) {
+  if (qk_norm_kind == 1) {
     // Qwen3's per-head norms, as TorchOps.rms_norm_heads computes them (the same ATen ops in
     // the same order), then rotary on each result, as the Python layer does.
     auto head_norm = [&](const at::Tensor& x, const at::Tensor& weight) {
@@ -93,6 +96,18 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
     };
     query = head_norm(query, *q_norm);
     key = head_norm(key, *k_norm);
+    rotary(query, cos, sin);
+    rotary(key, cos, sin);
+  } else if (qk_norm_kind == 2) {
+    // OLMoE's norms over the whole q and k projections: the norm kernel on a contiguous copy
+    // (CpuKernelOps.rms_norm), then the heads' views, then rotary on each.
+    auto full_norm = [&](const at::Tensor& x, const at::Tensor& weight, int64_t heads) {
+      at::Tensor out = x.reshape({num_tokens, heads * head_dim}).clone();
+      rms_norm(out, out, weight, eps, false);
+      return out.view({num_tokens, heads, head_dim});
+    };
+    query = full_norm(query, *q_norm, num_heads);
+    key = full_norm(key, *k_norm, num_kv_heads);
     rotary(query, cos, sin);
     rotary(key, cos, sin);
   } else {
@@ -106,11 +121,15 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                                                  kv_cache.select(0, 1), block_table, seq_lens,
                                                  scale, window, /*softcap=*/0.0);
   at::Tensor x = linear(attn.view({num_tokens, q_size}), 1, o_bias);
+  // Granite scales each sublayer's output before its residual add (as the layer's forward).
+  if (residual_multiplier != 1.0) x.mul_(residual_multiplier);
   rms_norm(x, residual, post_norm, eps, true);
   // No MLP parts: the caller runs the layer's feed-forward itself (a mixture of experts).
   if (parts[2] == 0 && parts[3] == 0) return x;
   const at::Tensor gate_up = linear(x, 2, gate_up_bias);
-  return linear(silu_and_mul(gate_up), 3, down_bias);
+  at::Tensor out = linear(silu_and_mul(gate_up), 3, down_bias);
+  if (residual_multiplier != 1.0) out.mul_(residual_multiplier);
+  return out;
 }
 
 // A mixture-of-experts feed-forward over decode rows (SparseMoE in
