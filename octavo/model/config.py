@@ -258,6 +258,12 @@ class ModelConfig:
             renormalised = spec.name not in ("Qwen2MoeForCausalLM", "OlmoeForCausalLM")
             hf["norm_topk_prob"] = get("expert_weights_norm", renormalised)
         hf.update(spec.gguf_implied)
+        # llama.cpp's Gemma files carry no query_pre_attn_scalar; its graphs take hidden / heads
+        # for the 27B models (46 layers of Gemma 2, 62 of Gemma 3), whose configs say the same,
+        # and head_dim for the others, as theirs do.
+        gemma = spec.model_type in ("gemma2", "gemma3_text")
+        if gemma and hf["num_attention_heads"] and hf["num_hidden_layers"] in (46, 62):
+            hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
         for key, hf_key in _GGUF_OPTIONAL_KEYS.items():
             if get(key) is not None:
                 hf[hf_key] = get(key)

@@ -161,6 +161,29 @@ def test_sliding_windows_become_layer_windows_not_a_context_cap():
         _window_config("MistralForCausalLM", layer_types=["full_attention"] * 2)
 
 
+def test_gemma_gguf_scales_queries_as_llama_cpp_does():
+    """No query_pre_attn_scalar in llama.cpp's Gemma files: head_dim ** -0.5, except the 27B
+    models' hidden / heads (Gemma 2 27B: 4608 / 32 = 144, what its config.json says)."""
+
+    def gemma2(layers: int) -> ModelConfig:
+        metadata = {
+            "general.architecture": "gemma2",
+            "gemma2.embedding_length": 4608,
+            "gemma2.feed_forward_length": 36864,
+            "gemma2.block_count": layers,
+            "gemma2.attention.head_count": 32,
+            "gemma2.attention.head_count_kv": 16,
+            "gemma2.attention.key_length": 128,
+            "gemma2.attention.sliding_window": 4096,
+        }
+        return ModelConfig.from_gguf(metadata, {"token_embd.weight": (256000, 4608)})
+
+    assert gemma2(46).attention_scale == 144**-0.5
+    assert gemma2(42).attention_scale is None  # head_dim ** -0.5 in the attention layer
+    assert gemma2(46).sliding_layers == tuple(range(0, 46, 2))
+    assert gemma2(46).hidden_act == "gelu_pytorch_tanh"
+
+
 def test_gemma_and_granite_scalars_resolve():
     gemma2 = _window_config(
         "Gemma2ForCausalLM",
