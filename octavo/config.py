@@ -67,9 +67,20 @@ class CacheConfig:
     bytes_per_token: int = 0
     # The cache tensors' dtype ("" when no model is attached).
     dtype: str = ""
-    # The window of every layer when all of them slide (and the hybrid KV cache manager is on):
-    # blocks before it go back to the pool as requests move on. 0: every block is kept.
-    sliding_window: int = 0
+    # KV cache groups (the hybrid KV cache manager): layers of one attention kind, as many per
+    # group, share block ids; all groups share the one pool. group_windows[g]: group g's
+    # sliding window (0: full attention), whose blocks before the window go back to the pool
+    # as requests move on; layer_groups[i]: layer i's (group, cache tensor), the tensor shared
+    # by the i-th layer of every group. One group (the default, and with the hybrid manager
+    # off) is every layer with its own tensor; bytes_per_token then counts all layers, else the
+    # layers of one group (what a block id holds).
+    group_windows: tuple[int, ...] = (0,)
+    layer_groups: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def sliding_window(self) -> int:
+        """The window of a one-group cache (0: none, or several groups)."""
+        return self.group_windows[0] if len(self.group_windows) == 1 else 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -373,27 +384,38 @@ class EngineArgs:
         kv_cache_dtype = self.kv_cache_dtype
         if kv_cache_dtype == "auto":
             kv_cache_dtype = weight_dtype or dtype
-        bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
+        hybrid = bool(model_config.sliding_layers) and not self.disable_hybrid_kv_cache_manager
+        layer_windows = [
+            model_config.layer_window(i) if hybrid else 0
+            for i in range(model_config.num_hidden_layers)
+        ]
+        group_windows, layer_groups = kv_cache_groups(layer_windows)
+        group_layers = 1 + max(slot for _, slot in layer_groups)
+        bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype, group_layers)
         on_cpu = platform.device_type == "cpu"
         block_size = self.block_size or (
             DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
         )
-        num_blocks = self._num_kv_blocks(block_size, bytes_per_token, platform)
-        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        # The hybrid manager frees blocks before a window where every layer has that window
-        # (Mistral, Phi-3); with full layers among them (Gemma) every block is still kept.
-        every_layer_slides = len(model_config.sliding_layers) == model_config.num_hidden_layers
-        sliding_window = (
-            model_config.sliding_window
-            if every_layer_slides and not self.disable_hybrid_kv_cache_manager
-            else 0
+        num_blocks = self._num_kv_blocks(
+            block_size,
+            bytes_per_token,
+            platform,
+            kv_cache_bytes_per_token(model_config, kv_cache_dtype),
         )
+        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        # The longest request the pool holds: with sliding groups, their windows' blocks beside
+        # the full groups' whole contexts.
         capacity = num_blocks * block_size
-        if sliding_window:
-            # A request holds at most this much however long it grows.
-            held = sliding_window_blocks(sliding_window, block_size, max_num_batched_tokens)
-            if held <= num_blocks:
-                capacity = model_config.max_position_embeddings
+        if any(group_windows):
+            model_max = model_config.max_position_embeddings
+            lengths = [*range(block_size, model_max, block_size), model_max]
+            fitting = [
+                n
+                for n in lengths
+                if request_blocks(group_windows, block_size, n, max_num_batched_tokens)
+                <= num_blocks
+            ]
+            capacity = max(fitting, default=block_size)
         max_model_len = self._max_model_len(model_config, capacity)
         long_prefill = self.long_prefill_token_threshold
         if long_prefill is None:
@@ -412,7 +434,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 bytes_per_token=bytes_per_token,
                 dtype=kv_cache_dtype,
-                sliding_window=sliding_window,
+                group_windows=group_windows,
+                layer_groups=layer_groups,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -438,9 +461,19 @@ class EngineArgs:
             quantization=self.quantization,
         )
 
-    def _num_kv_blocks(self, block_size: int, bytes_per_token: int, platform: PlatformInfo) -> int:
+    def _num_kv_blocks(
+        self,
+        block_size: int,
+        bytes_per_token: int,
+        platform: PlatformInfo,
+        model_bytes_per_token: int,
+    ) -> int:
+        """bytes_per_token: what a block holds per token (one KV cache group's layers);
+        model_bytes_per_token: all layers' (kv_cache_tokens counts tokens of every layer, so
+        with groups the pool has that memory in more, smaller blocks)."""
         if self.kv_cache_tokens is not None:
-            return -(-self.kv_cache_tokens // block_size)
+            tokens_bytes = -(-self.kv_cache_tokens // block_size) * model_bytes_per_token
+            return -(-tokens_bytes // bytes_per_token)
         block_bytes = bytes_per_token * block_size
         budget = self.kv_cache_memory_bytes or platform.default_kv_cache_bytes
         num_blocks = budget // block_bytes
@@ -509,10 +542,48 @@ def resolve_dtype(
     return "float32", None, "auto: the CPU has no native bfloat16 (no AVX512-BF16/AMX), so float32"
 
 
-def kv_cache_bytes_per_token(model_config: ModelConfig, dtype: str) -> int:
-    """Bytes one token's K and V take across all layers in a cache of `dtype`."""
+def kv_cache_bytes_per_token(
+    model_config: ModelConfig, dtype: str, num_layers: int | None = None
+) -> int:
+    """Bytes one token's K and V take across all layers (or `num_layers` of them: one KV
+    cache group's) in a cache of `dtype`."""
     per_layer = 2 * model_config.num_key_value_heads * model_config.head_dim * _DTYPE_BYTES[dtype]
-    return model_config.num_hidden_layers * per_layer
+    return (num_layers or model_config.num_hidden_layers) * per_layer
+
+
+def kv_cache_groups(
+    layer_windows: list[int],
+) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(group windows, each layer's (group, tensor)) for layers of these windows (0: full),
+    as vLLM's hybrid manager groups them: the layers of each kind, in order, cut into groups of
+    as many layers as the smallest kind has (the last group of a kind may hold fewer), full
+    groups first. Layer i of every group shares tensor i, so a block id stands for one group's
+    tokens in those tensors and no memory sits idle. One kind: one group of every layer."""
+    kinds: dict[int, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    windows: list[int] = []
+    placement: dict[int, tuple[int, int]] = {}
+    for window in sorted(kinds):
+        layers = kinds[window]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start : start + size]):
+                placement[layer] = (len(windows), slot)
+            windows.append(window)
+    return tuple(windows), tuple(placement[layer] for layer in range(len(layer_windows)))
+
+
+def request_blocks(
+    group_windows: tuple[int, ...], block_size: int, length: int, max_num_batched_tokens: int
+) -> int:
+    """The most blocks one request of `length` tokens holds across the groups: its whole
+    context in a full group, at most a window and a chunk in a sliding one."""
+    context = -(-length // block_size)
+    return sum(
+        min(context, sliding_window_blocks(w, block_size, max_num_batched_tokens)) if w else context
+        for w in group_windows
+    )
 
 
 def capacity_line(
@@ -522,16 +593,16 @@ def capacity_line(
     mib = cache.num_tokens * cache.bytes_per_token / (1 << 20)
     fit = cache.num_tokens // max_model_len
     window = ""
-    if cache.sliding_window:
+    if any(cache.group_windows):
         chunk = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        held = min(
-            sliding_window_blocks(cache.sliding_window, cache.block_size, chunk),
-            -(-max_model_len // cache.block_size),
-        )
+        held = request_blocks(cache.group_windows, cache.block_size, max_model_len, chunk)
         fit = cache.num_blocks // held
+        windows = sorted({w for w in cache.group_windows if w})
+        groups = len(cache.group_windows)
         window = (
-            f" (sliding window {cache.sliding_window}: each holds at most {held} blocks, "
-            "the rest go back to the pool)"
+            f" ({groups} KV cache group{'s' if groups > 1 else ''}, sliding window "
+            f"{', '.join(map(str, windows))}: each request holds at most {held} blocks, the "
+            "blocks a window has left go back to the pool)"
         )
     return (
         f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "

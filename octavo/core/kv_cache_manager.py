@@ -5,20 +5,27 @@ block lists and the prefix-cache counters; the BlockPool owns the blocks themsel
 not decide who runs (the scheduler and its admission policy do) and never changes a Request:
 it reads `request_id`, `all_token_ids`, `num_computed_tokens` and `block_hashes` only.
 
-With a sliding window W (a model whose every layer sees only its last W positions), a block
-no later query of its request can see goes back to the pool as soon as the request has
-computed past it, and its place in the request's list holds NULL_BLOCK, so list index i still
-stands for positions i * block_size ..: a request then holds at most the blocks of its last W
-positions plus those of the chunk it computes. A prefix hit needs only the cached blocks of
-the W - 1 positions before the hit point (the earlier ones may long be gone). The runner's
-block table keeps its ids for the freed places; attention never reads blocks before a window
-(AttentionMetadata.for_window), so they are never read there either.
+KV cache groups (vLLM's hybrid manager): a model whose layers differ in attention (Gemma's
+full and sliding-window layers) has one block list per request for each group of layers
+(config.kv_cache_groups), all groups drawing on one pool; a request's lists all have one
+place per block of its tokens. In a group with a sliding window W, a block no later query of
+the request can see goes back to the pool as soon as the request has computed past it, and its
+place holds NULL_BLOCK, so place i still stands for positions i * block_size ..: the group then
+holds at most the blocks of the last W positions plus those of the chunk being computed. A
+prefix hit is taken at the longest point where every group has what it needs: a full group the
+whole chain before it, a sliding group only the cached blocks of the W - 1 positions before it
+(the earlier ones may long be gone); each group caches under keys of its own. The runner's
+block tables keep their ids for freed places; attention never reads blocks before a window
+(AttentionMetadata.for_window), so they are never read there either. Group 0 is what the
+scheduler sees (`req_to_blocks`, the ids `allocate_slots` returns); the others' ids travel
+beside it (`get_group_block_ids`, `take_new_group_block_ids`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from octavo.core.block_pool import Block, BlockPool
 from octavo.core.request import Request
@@ -36,27 +43,64 @@ def sliding_window_blocks(window: int, block_size: int, num_new_tokens: int) -> 
     return -(-(window - 1 + num_new_tokens) // block_size) + 1
 
 
+@dataclass
+class _Group:
+    """One KV cache group's per-request block lists. window: 0 (full attention) or its
+    sliding window; salt: 0 for group 0, else mixed into its prefix-cache keys."""
+
+    window: int
+    salt: int
+    req_to_blocks: dict[str, list[Block]] = field(default_factory=dict)
+    # How many leading places of each request have been offered to the prefix cache.
+    num_cached_blocks: dict[str, int] = field(default_factory=dict)
+
+    def key(self, block_hash: int) -> int:
+        return block_hash if not self.salt else hash((self.salt, block_hash))
+
+
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int = 0,
+        group_windows: tuple[int, ...] | None = None,
     ) -> None:
-        """sliding_window: 0, or the window of every layer of the model (its blocks before the
-        window are given back as the request moves on)."""
+        """group_windows: each KV cache group's window (0: full attention); None: one group of
+        `sliding_window` (0: full), whose blocks before the window go back to the pool as the
+        request moves on."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
-        if sliding_window < 0:
-            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}.")
+        windows = (sliding_window,) if group_windows is None else tuple(group_windows)
+        if not windows or min(windows) < 0:
+            raise ValueError(f"group windows must be >= 0, got {windows}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[Block]] = {}
-        # How many leading blocks of each request have been offered to the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.groups = [_Group(window, salt) for salt, window in enumerate(windows)]
+        # Ids appended to groups 1.. since the scheduler last took them, per request.
+        self._new_group_ids: dict[str, list[list[int]]] = {}
+        # Groups 1..'s hit blocks, from get_computed_blocks for the allocate_slots after it.
+        self._group_hits: dict[str, list[list[Block]]] = {}
         # Cumulative, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits): one query of
         # request.num_tokens per admission or resume, hits = the tokens served from the cache.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def sliding_window(self) -> int:
+        """Group 0's window (a one-group cache's: 0 for full attention)."""
+        return self.groups[0].window
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[Block]]:
+        """Group 0's block lists (every group's have the same places)."""
+        return self.groups[0].req_to_blocks
+
+    @property
+    def num_cached_blocks(self) -> dict[str, int]:
+        return self.groups[0].num_cached_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -73,67 +117,90 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Groups 1..'s block ids of the request (empty for a one-group cache)."""
+        return tuple(
+            [block.block_id for block in group.req_to_blocks.get(request_id, ())]
+            for group in self.groups[1:]
+        )
+
+    def take_new_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Groups 1..'s ids appended since the last call (what the runner has not been sent)."""
+        taken = self._new_group_ids.pop(request_id, None)
+        return tuple(taken) if taken is not None else tuple([] for _ in self.groups[1:])
+
     def num_held_blocks(self, request_id: str) -> int:
-        """The pool's blocks the request holds (its places a window has left not counted)."""
-        blocks = self.req_to_blocks.get(request_id, ())
-        return sum(1 for block in blocks if block is not NULL_BLOCK)
+        """The pool's blocks the request holds across the groups (places a window has left not
+        counted)."""
+        return sum(
+            1
+            for group in self.groups
+            for block in group.req_to_blocks.get(request_id, ())
+            if block is not NULL_BLOCK
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest chain of cached blocks that starts the request's tokens, and the number
-        of tokens it covers. Changes nothing (blocks are taken by `allocate_slots`).
+        """Group 0's blocks of the longest prefix-cache hit every group can take, and the
+        number of tokens it covers (the other groups' blocks are kept for the allocate_slots
+        that follows). Changes nothing in the pool (blocks are taken by `allocate_slots`).
 
-        The chain never covers the last token: the step must compute at least one position to
+        The hit never covers the last token: the step must compute at least one position to
         have logits to sample from. Without prefix caching: ([], 0).
         """
         if not self.enable_caching:
             return [], 0
-        block_size = self.block_size
-        token_ids = request.all_token_ids
-        max_num_blocks = (request.num_tokens - 1) // block_size
-        if self.sliding_window:
-            return self._computed_window_blocks(request, max_num_blocks)
-        blocks: list[Block] = []
-        for block_idx, block_hash in enumerate(request.block_hashes[:max_num_blocks]):
-            begin = block_idx * block_size
-            block_tokens = tuple(token_ids[begin : begin + block_size])
-            block = self.block_pool.get_cached_block(block_hash, block_tokens)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * block_size
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        found = [self._lookup(group, request, max_num_blocks) for group in self.groups]
+        num_hit_blocks = max(
+            (
+                n
+                for n in range(len(found[0]) + 1)
+                if all(self._can_hit(g, f, n) for g, f in zip(self.groups, found, strict=True))
+            ),
+            default=0,
+        )
+        hits = [self._hit_blocks(g, f, num_hit_blocks) for g, f in zip(self.groups, found)]
+        if len(hits) > 1:
+            self._group_hits[request.request_id] = hits[1:]
+        return hits[0], num_hit_blocks * self.block_size
 
-    def _computed_window_blocks(
-        self, request: Request, max_num_blocks: int
-    ) -> tuple[list[Block], int]:
-        """get_computed_blocks under a sliding window: the longest hit whose last blocks, those
-        the first computed position's window reaches back into, are all cached (a block's key
-        chains every block before it, so a cached block vouches for the whole prefix); NULL_BLOCK
-        in the places before them."""
+    def _lookup(self, group: _Group, request: Request, max_num_blocks: int) -> list[Block | None]:
+        """The group's cached block for each of the request's first full blocks (None where
+        there is none; a full group's list stops at its first miss)."""
         block_size = self.block_size
         token_ids = request.all_token_ids
         found: list[Block | None] = []
-        run = best = 0
         for block_idx, block_hash in enumerate(request.block_hashes[:max_num_blocks]):
             begin = block_idx * block_size
             block_tokens = tuple(token_ids[begin : begin + block_size])
-            block = self.block_pool.get_cached_block(block_hash, block_tokens)
+            block = self.block_pool.get_cached_block(group.key(block_hash), block_tokens)
+            if block is None and not group.window:
+                break
             found.append(block)
-            run = run + 1 if block is not None else 0
-            if run and run >= block_idx + 1 - self._skipped(begin + block_size):
-                best = block_idx + 1
-        first = self._skipped(best * block_size)
-        blocks = [NULL_BLOCK] * first + [b for b in found[first:best] if b is not None]
-        return blocks, best * block_size
+        return found
 
-    def _skipped(self, num_computed: int) -> int:
+    def _can_hit(self, group: _Group, found: list[Block | None], num_blocks: int) -> bool:
+        """Whether a hit of num_blocks blocks has everything this group needs: the blocks the
+        first computed position's window reaches (all of them without a window)."""
+        if num_blocks > len(found):  # a full group's chain ended before
+            return False
+        first = self._skipped(group, num_blocks * self.block_size)
+        return all(block is not None for block in found[first:num_blocks])
+
+    def _hit_blocks(self, group: _Group, found: list[Block | None], num_blocks: int) -> list[Block]:
+        first = self._skipped(group, num_blocks * self.block_size)
+        blocks = [block for block in found[first:num_blocks] if block is not None]
+        return [NULL_BLOCK] * first + blocks
+
+    def _skipped(self, group: _Group, num_computed: int) -> int:
         """How many leading blocks no query from position num_computed on can see."""
-        if not self.sliding_window:
+        if not group.window:
             return 0
-        return max(num_computed - self.sliding_window + 1, 0) // self.block_size
+        return max(num_computed - group.window + 1, 0) // self.block_size
 
-    def _free_skipped_blocks(self, held: list[Block], num_computed: int) -> None:
-        """Give back the held blocks the window has left, NULL_BLOCK in their places."""
-        end = min(self._skipped(num_computed), len(held))
+    def _free_skipped_blocks(self, group: _Group, held: list[Block], num_computed: int) -> None:
+        """Give back the held blocks the group's window has left, NULL_BLOCK in their places."""
+        end = min(self._skipped(group, num_computed), len(held))
         start = end
         while start > 0 and held[start - 1] is not NULL_BLOCK:
             start -= 1
@@ -149,98 +216,125 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[Block] = (),
     ) -> list[int] | None:
-        """Make the request's blocks cover its tokens up to the end of this step.
+        """Make the request's blocks (every group's) cover its tokens up to the end of this step.
 
         ```
         all_token_ids:   | computed        | hits (new_computed) | num_new_tokens |  ...
                          |<- request.num_computed_tokens ->|     |<- this step  ->|
         blocks:          [ held already   ][ new_computed_blocks ][ from the pool ]
         ```
-        `new_computed_blocks` (from `get_computed_blocks`) is only given at admission, when the
-        request holds no blocks and `num_computed_tokens` is 0.
+        `new_computed_blocks` (group 0's, from `get_computed_blocks`) is only given at
+        admission, when the request holds no blocks and `num_computed_tokens` is 0.
 
-        Returns the ids of the blocks appended to the request's list (hits first), possibly
-        empty; or None, changing nothing, when the pool cannot supply them. On success, every
-        block that becomes full of known tokens within this step's range is cached at once, so
-        that a sibling admitted later in the same step already hits it. That is safe because
-        the forward writes a layer's KV for every token of the batch before any attention of
-        that layer reads the cache.
+        Returns the ids of the blocks appended to group 0's list (hits first), possibly empty;
+        or None, changing nothing but giving back what windows have left, when the pool cannot
+        supply them all. On success, every block that becomes full of known tokens within this
+        step's range is cached at once, so that a sibling admitted later in the same step
+        already hits it. That is safe because the forward writes a layer's KV for every token
+        of the batch before any attention of that layer reads the cache.
         """
         request_id = request.request_id
         held = self.req_to_blocks.get(request_id)
         if new_computed_blocks and (held or request.num_computed_tokens):
             raise ValueError(f"request {request_id!r} already has KV; it cannot take hits.")
-        if held and self.sliding_window:
-            # Before counting what is free: what the window has left is free again.
-            self._free_skipped_blocks(held, request.num_computed_tokens)
+        group_hits = self._group_hits.pop(request_id, None) if new_computed_blocks else None
+        hits = [list(new_computed_blocks)] + (
+            group_hits if group_hits is not None else [[] for _ in self.groups[1:]]
+        )
+        for group in self.groups:
+            group_held = group.req_to_blocks.get(request_id)
+            if group_held and group.window:
+                # Before counting what is free: what the window has left is free again.
+                self._free_skipped_blocks(group, group_held, request.num_computed_tokens)
         block_size = self.block_size
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * block_size
         num_total_tokens = num_computed + num_new_tokens
         num_required_blocks = -(-num_total_tokens // block_size)
-        num_held_blocks = len(held or ()) + len(new_computed_blocks)
-        num_new_blocks = max(num_required_blocks - num_held_blocks, 0)
+        num_places = len(held or ()) + len(new_computed_blocks)
+        num_new_blocks = max(num_required_blocks - num_places, 0)
         # A hit on a free cached block takes it out of the free queue as well.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        hit_blocks = [block for block in new_computed_blocks if block is not NULL_BLOCK]
-        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
+        num_free_hits = sum(1 for blocks in hits for block in blocks if block.ref_cnt == 0)
+        if num_new_blocks * len(self.groups) + num_free_hits > self.num_free_blocks:
             return None
 
         if held is None:
-            held = self.req_to_blocks[request_id] = []
-            self.num_cached_blocks[request_id] = len(new_computed_blocks)
+            for group, group_hit in zip(self.groups, hits, strict=True):
+                group.req_to_blocks[request_id] = []
+                group.num_cached_blocks[request_id] = len(group_hit)
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed_blocks) * block_size
-        # Touch before taking new blocks: a free hit must not be evicted by get_new_blocks.
-        self.block_pool.touch(hit_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        held.extend(new_computed_blocks)
-        held.extend(new_blocks)
-        self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens))
-        return [block.block_id for block in new_computed_blocks] + [
-            block.block_id for block in new_blocks
-        ]
+        # Touch every group's hits before taking new blocks: a free hit must not be evicted
+        # by get_new_blocks.
+        for group_hit in hits:
+            self.block_pool.touch(block for block in group_hit if block is not NULL_BLOCK)
+        appended: list[list[int]] = []
+        for group, group_hit in zip(self.groups, hits, strict=True):
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            blocks = group.req_to_blocks[request_id]
+            blocks.extend(group_hit)
+            blocks.extend(new_blocks)
+            self._cache_full_blocks(group, request, min(num_total_tokens, request.num_tokens))
+            appended.append([block.block_id for block in (*group_hit, *new_blocks)])
+        if len(self.groups) > 1:
+            pending = self._new_group_ids.setdefault(request_id, [[] for _ in self.groups[1:]])
+            for ids, new_ids in zip(pending, appended[1:], strict=True):
+                ids.extend(new_ids)
+        return appended[0]
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks to the pool; a no-op if it holds none.
+        """Return all of the request's blocks (every group's) to the pool; a no-op if it holds
+        none.
 
         Call it before resetting `request.num_computed_tokens`: blocks past that count were
         cached at allocation for KV that the current step was going to write. If the step is
         undone for this request (a victim unscheduled in the step that scheduled it), that KV
         never comes, so those blocks lose their keys before they are freed.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        if not blocks:
-            return
-        self.block_pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
-        # Reverse order: the pool evicts a request's tail before its head.
-        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
+        request_id = request.request_id
+        self._new_group_ids.pop(request_id, None)
+        self._group_hits.pop(request_id, None)
+        for group in self.groups:
+            blocks = group.req_to_blocks.pop(request_id, None)
+            group.num_cached_blocks.pop(request_id, None)
+            if not blocks:
+                continue
+            tail = blocks[request.num_computed_tokens // self.block_size :]
+            self.block_pool.uncache_blocks(b for b in tail if b is not NULL_BLOCK)
+            # Reverse order: the pool evicts a request's tail before its head.
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while any block is held."""
         return self.block_pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        """Assert the pool is consistent and each block's ref_cnt equals the number of
-        requests holding it (so with no request registered, every block is free)."""
+        """Assert the pool is consistent, each block's ref_cnt equals the number of request
+        lists holding it (so with no request registered, every block is free), and every group
+        has the same places for each request."""
         self.block_pool.check_integrity()
         holders = Counter(
             block.block_id
-            for blocks in self.req_to_blocks.values()
+            for group in self.groups
+            for blocks in group.req_to_blocks.values()
             for block in blocks
             if block is not NULL_BLOCK
         )
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
-        assert self.num_cached_blocks.keys() == self.req_to_blocks.keys()
+        for group in self.groups:
+            assert group.num_cached_blocks.keys() == group.req_to_blocks.keys()
+            assert group.req_to_blocks.keys() == self.req_to_blocks.keys()
+            for request_id, blocks in group.req_to_blocks.items():
+                assert len(blocks) == len(self.req_to_blocks[request_id]), request_id
 
-    def _cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
-        """Offer to the cache the request's blocks that are full within `num_known_tokens`."""
+    def _cache_full_blocks(self, group: _Group, request: Request, num_known_tokens: int) -> None:
+        """Offer to the cache the group's blocks of the request that are full within
+        `num_known_tokens`, under the group's keys."""
         if not self.enable_caching:
             return
         request_id = request.request_id
-        start = self.num_cached_blocks[request_id]
+        start = group.num_cached_blocks[request_id]
         end = num_known_tokens // self.block_size
         if end <= start:
             return
@@ -255,8 +349,8 @@ class KVCacheManager:
             tuple(token_ids[idx * block_size : (idx + 1) * block_size]) for idx in range(start, end)
         ]
         self.block_pool.cache_full_blocks(
-            self.req_to_blocks[request_id][start:end],
-            request.block_hashes[start:end],
+            group.req_to_blocks[request_id][start:end],
+            [group.key(h) for h in request.block_hashes[start:end]],
             block_token_ids,
         )
-        self.num_cached_blocks[request_id] = end
+        group.num_cached_blocks[request_id] = end

@@ -78,7 +78,7 @@ class Scheduler:
             cache_config.num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
-            cache_config.sliding_window,
+            group_windows=cache_config.group_windows,
         )
         self.policy = policy if policy is not None else make_admission_policy(scheduler_config)
         # Unfinished requests only; a request leaves when it finishes or is aborted.
@@ -236,6 +236,12 @@ class Scheduler:
             plan.add_new(request, num_new_tokens)
         self.waiting.extendleft(reversed(skipped))
 
+    def _group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """A newly scheduled request's lists of KV cache groups 1.. (whole: what was pending
+        for them is in these)."""
+        self.kv_cache_manager.take_new_group_block_ids(request_id)
+        return self.kv_cache_manager.get_group_block_ids(request_id)
+
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [
             NewRequestData(
@@ -246,6 +252,7 @@ class Scheduler:
                 stop_token_ids=request.stop_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                group_block_ids=self._group_block_ids(request.request_id),
             )
             for request in plan.new_reqs
         ]
@@ -254,6 +261,9 @@ class Scheduler:
                 request_id=request.request_id,
                 new_block_ids=plan.new_block_ids[request.request_id],
                 num_computed_tokens=request.num_computed_tokens,
+                new_group_block_ids=self.kv_cache_manager.take_new_group_block_ids(
+                    request.request_id
+                ),
             )
             for request in plan.running_reqs
         ]

@@ -31,6 +31,9 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix hits); the step computes from here.
     num_computed_tokens: int
+    # KV cache groups 1..'s block lists, place for place beside block_ids (group 0's); empty
+    # for a one-group cache.
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,8 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens whose KV is in the cache before this step runs.
     num_computed_tokens: int
+    # Blocks appended to KV cache groups 1..'s lists (as many as new_block_ids each).
+    new_group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)

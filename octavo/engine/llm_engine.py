@@ -104,19 +104,14 @@ class LLMEngine:
         )
         model_config = runner.model_config
         sliding = model_config.sliding_layers
-        if sliding and not config.cache.sliding_window:
+        if sliding and not any(config.cache.group_windows):
             # Honest about memory: windowed layers whose blocks are all the same kept.
-            why = (
-                "--disable-hybrid-kv-cache-manager"
-                if len(sliding) == model_config.num_hidden_layers
-                else "the KV cache manager frees blocks only where every layer slides"
-            )
             logger.info(
-                "sliding window %d on %d of %d layers: every block of every layer is kept (%s)",
+                "sliding window %d on %d of %d layers: every block of every layer is kept "
+                "(--disable-hybrid-kv-cache-manager)",
                 model_config.sliding_window,
                 len(sliding),
                 model_config.num_hidden_layers,
-                why,
             )
         tokenizer = load_tokenizer(config.model, config.chat_template)
         eos = model_config.eos_token_ids or (

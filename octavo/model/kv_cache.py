@@ -24,21 +24,31 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     huge_pages: bool = True,
+    layer_groups: tuple[tuple[int, int], ...] = (),
 ) -> list[Tensor]:
     """num_hidden_layers zero-filled tensors of (2, num_blocks, block_size, num_kv_heads,
-    head_dim). Zeros, not empty: backends read padded slots under a mask, and uninitialised
-    memory may hold NaN or inf, which a mask does not cancel (0 * NaN is NaN). Filled here, so
-    that the whole capacity is resident from the start, as stated. On CPU in huge pages
+    head_dim); with KV cache groups (`layer_groups`: each layer's (group, tensor),
+    config.kv_cache_groups) as many tensors as a group has layers, layer i's the one its
+    entry names (shared with the layers of the same place in the other groups). Zeros, not
+    empty: backends read padded slots under a mask, and uninitialised memory may hold NaN or
+    inf, which a mask does not cancel (0 * NaN is NaN). Filled here, so that the whole
+    capacity is resident from the start, as stated. On CPU in huge pages
     (`memory.empty`): attention reads the cache a block at a time at scattered places."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(
             f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}."
         )
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
+    if not layer_groups or len({group for group, _ in layer_groups}) == 1:
+        return [
+            memory.empty(shape, dtype, device, huge_pages).zero_()
+            for _ in range(config.num_hidden_layers)
+        ]
+    tensors = [
         memory.empty(shape, dtype, device, huge_pages).zero_()
-        for _ in range(config.num_hidden_layers)
+        for _ in range(1 + max(slot for _, slot in layer_groups))
     ]
+    return [tensors[slot] for _, slot in layer_groups]
 
 
 def write_kv_cache(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:

@@ -32,7 +32,13 @@ class RowState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        num_kv_groups: int = 1,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         # (max_num_reqs, max_model_len): prompt tokens, then output tokens.
@@ -43,6 +49,10 @@ class InputBatch:
         # (max_num_reqs, max_num_blocks_per_req): block ids in order, padded with 0.
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # KV cache groups 1..'s tables, place for place beside block_table (group 0's).
+        self.group_tables = np.zeros(
+            (num_kv_groups - 1, max_num_reqs, max_num_blocks_per_req), dtype=np.int32
+        )
         # Per-row sampling knobs, as arrays so a step slices them instead of looping.
         self.sampling = {
             param.name: np.full(max_num_reqs, param.neutral, dtype=param.dtype)
@@ -67,16 +77,20 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(data.prompt_token_ids)
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_block_ids(row, data.block_ids)
+        self.append_block_ids(row, data.block_ids, data.group_block_ids)
         params = data.sampling_params
         for name, values in self.sampling.items():
             values[row] = getattr(params, name)
         self.rows.append(RowState(data.request_id, params, data.stop_token_ids, generator))
         self.row_of[data.request_id] = row
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+    def append_block_ids(
+        self, row: int, block_ids: list[int], group_block_ids: tuple[list[int], ...] = ()
+    ) -> None:
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
+        for table, ids in zip(self.group_tables, group_block_ids, strict=True):
+            table[row, start : start + len(ids)] = ids
         self.num_blocks[row] = start + len(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
@@ -98,6 +112,7 @@ class InputBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
+        self.group_tables[:, dst, :nb] = self.group_tables[:, src, :nb]
         for array in (
             self.num_tokens,
             self.num_prompt_tokens,

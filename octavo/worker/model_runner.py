@@ -24,6 +24,7 @@ from torch import nn
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
 from octavo.core.scheduler_output import NewRequestData, SchedulerOutput
+from octavo.model.attention.layer import PagedAttention
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.backends import ModelBackend
 from octavo.model.backends.base import AttentionPlan
@@ -76,11 +77,22 @@ class ModelRunner:
             backend.kv_cache_dtype,
             backend.device,
             backend.huge_pages,
+            cache_config.layer_groups,
         )
+        # KV cache groups: each attention layer reads and writes through its group's block
+        # table (config.kv_cache_groups); one group: every layer through the one table.
+        self.group_windows = cache_config.group_windows
+        if len(self.group_windows) > 1:
+            attentions = [m for m in model.modules() if isinstance(m, PagedAttention)]
+            for attention, (group, _) in zip(attentions, cache_config.layer_groups, strict=True):
+                attention.kv_group = group
         max_model_len = scheduler_config.max_model_len
         max_blocks_per_req = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(
-            scheduler_config.max_num_seqs, max_model_len, max_blocks_per_req
+            scheduler_config.max_num_seqs,
+            max_model_len,
+            max_blocks_per_req,
+            len(self.group_windows),
         )
         # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass.
         self.sampler = Sampler(draw=backend.draw)
@@ -128,7 +140,7 @@ class ModelRunner:
                 self.generators.pop(data.request_id, None)
         for data in scheduler_output.scheduled_cached_reqs:
             row = batch.row_of[data.request_id]
-            batch.append_block_ids(row, data.new_block_ids)
+            batch.append_block_ids(row, data.new_block_ids, data.new_group_block_ids)
             batch.num_computed_tokens[row] = data.num_computed_tokens
 
     def _add_request(self, data: NewRequestData) -> None:
@@ -150,6 +162,7 @@ class ModelRunner:
         if not scheduled_rows:
             return None
         token_chunks, position_chunks, slot_chunks = [], [], []
+        group_slot_chunks: list[list[np.ndarray]] = [[] for _ in batch.group_tables]
         query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
         for row in scheduled_rows:
             start = int(batch.num_computed_tokens[row])
@@ -160,6 +173,9 @@ class ModelRunner:
             token_chunks.append(batch.token_ids[row, start:end])
             position_chunks.append(positions)
             slot_chunks.append(block_ids * self.block_size + positions % self.block_size)
+            for table, chunks in zip(batch.group_tables, group_slot_chunks, strict=True):
+                group_ids = table[row, positions // self.block_size].astype(np.int64)
+                chunks.append(group_ids * self.block_size + positions % self.block_size)
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             # Only a request whose every known token has been computed yields a new one;
@@ -176,12 +192,25 @@ class ModelRunner:
             block_table=self._to_device(block_table),
             block_size=self.block_size,
         )
+        attention = self.backend.attention
+        if batch.group_tables.shape[0]:
+            group_metadata = [attn_metadata] + [
+                AttentionMetadata(
+                    query_start_loc=query_start_loc,
+                    seq_lens=seq_lens,
+                    slot_mapping=self._to_device(np.concatenate(chunks)),
+                    block_table=self._to_device(table[scheduled_rows, :max_blocks]),
+                    block_size=self.block_size,
+                )
+                for table, chunks in zip(batch.group_tables, group_slot_chunks, strict=True)
+            ]
+            attn_plan = attention.plan_groups(group_metadata, self.group_windows)
+        else:
+            attn_plan = attention.plan_step(attn_metadata, self.model_config.attention_windows)
         return StepInputs(
             input_ids=self._to_device(np.concatenate(token_chunks)),
             positions=self._to_device(np.concatenate(position_chunks)),
-            attn_plan=self.backend.attention.plan_step(
-                attn_metadata, self.model_config.attention_windows
-            ),
+            attn_plan=attn_plan,
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
             logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),

@@ -315,3 +315,47 @@ def test_a_hit_is_not_taken_where_a_block_inside_the_window_is_missing() -> None
     # 0, 1): both cached.
     assert num_hit_tokens == 8 and [blk.block_id for blk in blocks] == [0, 1]
     assert blocks[0] is not NULL_BLOCK
+
+
+def test_groups_share_the_pool_and_each_keeps_what_its_layers_need() -> None:
+    """Two KV cache groups (full attention, and a window of 6) over one pool of 10 blocks: a
+    request's two lists have the same places; the full group keeps all of its blocks, the
+    sliding one gives back what its window has left, and a new request's hit is taken only
+    where both groups have their blocks, each cached under keys of its own."""
+    kv = KVCacheManager(10, BLOCK_SIZE, enable_caching=True, group_windows=(0, 6))
+    a = request("a", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]  # group 0 (full) first, then group 1
+    assert kv.get_group_block_ids("a") == ([3, 4, 5],)
+    assert kv.take_new_group_block_ids("a") == ([3, 4, 5],)
+    assert kv.take_new_group_block_ids("a") == ([],)
+    for step in range(6):
+        assert decode(kv, a, 100 + step) is not None
+        kv.check_integrity()
+    # 16 positions computed: the full group holds 4 blocks (6 taken at position 12); the
+    # sliding one gave back block 3 at position 10 and block 4 at 13 (their keys out of the
+    # window), and took 7 at 12.
+    full, sliding = kv.req_to_blocks["a"], kv.groups[1].req_to_blocks["a"]
+    assert [b.block_id for b in full] == [0, 1, 2, 6]
+    assert sliding[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert [b.block_id for b in sliding[2:]] == [5, 7]
+    assert kv.take_new_group_block_ids("a") == ([7],)
+    assert kv.num_held_blocks("a") == 6
+    assert kv.block_pool.blocks[3].ref_cnt == kv.block_pool.blocks[4].ref_cnt == 0
+    # A second request with a's first 13 tokens hits 12: group 0's chain 0, 1, 2; group 1
+    # needs only the keys 7..11 its first computed position reads, blocks 4 (free, still
+    # cached: taken back) and 5.
+    b = request("b", a.all_token_ids[:13])
+    blocks, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 12 and [blk.block_id for blk in blocks] == [0, 1, 2]
+    assert kv.allocate_slots(b, 1, blocks) is not None
+    b.num_computed_tokens = 13
+    b_sliding = kv.groups[1].req_to_blocks["b"]
+    assert b_sliding[0] is NULL_BLOCK and [blk.block_id for blk in b_sliding[1:3]] == [4, 5]
+    assert kv.block_pool.blocks[4].ref_cnt == 1
+    kv.check_integrity()
+    kv.free(b)
+    # With group 1's block 4 evicted, the hit falls back to where group 1 has its window.
+    kv.block_pool.uncache_blocks([kv.block_pool.blocks[4]])
+    blocks, num_hit_tokens = kv.get_computed_blocks(request("c", a.all_token_ids[:13]))
+    assert num_hit_tokens == 4 and [blk.block_id for blk in blocks] == [0]
+    finish(kv, a)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from octavo import LLM, SamplingParams
-from octavo.core.kv_cache_manager import sliding_window_blocks
+from octavo.core.kv_cache_manager import NULL_BLOCK, sliding_window_blocks
 
 from .tiny import save_tiny_checkpoint
 
@@ -128,6 +128,10 @@ def test_greedy_tokens_equal_transformers_through_preemption_chunks_and_prefix_h
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outputs] == expected
+    # The sliding-window families run with the hybrid KV cache manager: one group for a
+    # window on every layer, a full and a sliding group (one layer each) for Gemma's mix.
+    windows = {"mistral": (6,), "phi3": (9,), "gemma2": (0, 5), "gemma3": (0, 4)}
+    assert llm.llm_engine.config.cache.group_windows == windows.get(family, (0,))
     stats = llm.llm_engine.scheduler.kv_cache_manager
     assert stats.prefix_cache_hits > 0
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -178,3 +182,47 @@ def test_under_a_window_a_request_outgrows_the_pool_and_holds_only_its_window(tm
     assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **args)
+
+
+def test_gemma_keeps_its_full_layers_blocks_and_only_the_window_of_its_sliding_ones(tmp_path):
+    """Gemma 2 (a sliding layer with a window of 5, a full one): two KV cache groups sharing one
+    layer's worth of cache per block. While one request decodes to 90 tokens the full group
+    holds every block of its context and the sliding group at most the window's and a chunk's
+    (ceil((5 - 1 + 16) / 4) + 1 = 6), with transformers' tokens; with the manager off each
+    block holds both layers and the request holds all of them."""
+    model_type, overrides = FAMILIES["gemma2"]
+    hf_model = save_tiny_checkpoint(tmp_path, model_type, seed=21, **overrides)
+    hf_model.generation_config.eos_token_id = None
+    _save_tokenizer(tmp_path)
+    prompt = _prompts()[0]
+    with torch.no_grad():
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=70, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        kv_cache_tokens=96,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+    )
+    engine = llm.llm_engine
+    cache = engine.config.cache
+    assert cache.group_windows == (0, 5) and cache.layer_groups == ((1, 0), (0, 0))
+    assert cache.num_blocks == 48  # 96 tokens of both layers = 48 blocks of one layer's
+    kv = engine.scheduler.kv_cache_manager
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    tokens, full_held, sliding_held = [], [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        if "r" in kv.req_to_blocks:
+            full, sliding = kv.req_to_blocks["r"], kv.groups[1].req_to_blocks["r"]
+            full_held.append(len(full))
+            sliding_held.append(sum(1 for block in sliding if block is not NULL_BLOCK))
+    assert tokens == expected
+    assert full_held[-1] == 88 // 4  # positions 0..87: the step before the last
+    assert max(sliding_held) <= sliding_window_blocks(5, 4, 16) and sliding_held[-1] <= 3
+    assert kv.num_free_blocks == kv.num_blocks

@@ -17,6 +17,7 @@ import torch
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
+from octavo.config import kv_cache_groups, request_blocks
 from octavo.model.config import ModelConfig
 from octavo.model.loader import (
     ModelLoadError,
@@ -159,6 +160,34 @@ def test_sliding_windows_become_layer_windows_not_a_context_cap():
     assert typed.sliding_layers == (1, 3, 5)
     with pytest.raises(ValueError, match="layer_types has 2 entries for 6 layers"):
         _window_config("MistralForCausalLM", layer_types=["full_attention"] * 2)
+
+
+def test_kv_cache_groups_are_vllms():
+    """Gemma 3's 26 layers (every sixth full): groups of 4 layers, as many as the full kind
+    has; the 22 sliding layers make six groups (the last of 2), so a block id holds 4 layers'
+    worth and each of 4 tensors is shared by one layer of every group."""
+    config = _window_config(
+        "Gemma3ForCausalLM", sliding_window=512, num_hidden_layers=26, head_dim=16
+    )
+    windows, placement = kv_cache_groups([config.layer_window(i) for i in range(26)])
+    assert windows == (0, 512, 512, 512, 512, 512, 512)
+    assert [placement[i] for i in (5, 11, 17, 23)] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert [placement[i] for i in (0, 1, 2, 3, 4, 6)] == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 0),
+        (2, 1),
+    ]
+    assert placement[25] == (6, 1) and 1 + max(slot for _, slot in placement) == 4
+    # One kind: one group of every layer, each with its own tensor (the cache as without
+    # groups); a request of L tokens then holds ceil(L / block) blocks.
+    assert kv_cache_groups([0, 0, 0]) == ((0,), ((0, 0), (0, 1), (0, 2)))
+    assert kv_cache_groups([8, 8]) == ((8,), ((0, 0), (0, 1)))
+    # A request of 1000 tokens, blocks of 128, chunks of 256: 8 blocks in the full group,
+    # at most ceil((512 - 1 + 256) / 128) + 1 = 7 in each sliding one.
+    assert request_blocks(windows, 128, 1000, 256) == 8 + 6 * 7
 
 
 def test_gemma_gguf_scales_queries_as_llama_cpp_does():

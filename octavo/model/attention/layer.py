@@ -35,6 +35,8 @@ class PagedAttention(nn.Module):
         self.backend = backend
         self.window = window
         self.softcap = softcap
+        # The KV cache group whose plan this layer reads (set by the runner with groups).
+        self.kv_group = 0
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, plan: AttentionPlan
@@ -42,9 +44,11 @@ class PagedAttention(nn.Module):
         """query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads,
         head_dim). Mutates kv_cache (this step's slots). Returns (num_tokens, num_heads *
         head_dim)."""
-        self.backend.write_kv_cache(kv_cache, key, value, plan.metadata.slot_mapping)
-        if self.window:
+        if plan.groups:
+            plan = plan.groups[self.kv_group]  # this layer's group: its blocks, its window
+        elif self.window:
             plan = plan.windows[self.window]  # the step as this window sees it
+        self.backend.write_kv_cache(kv_cache, key, value, plan.metadata.slot_mapping)
         output = self.backend.forward(
             query, key, value, kv_cache, plan, self.scale, self.window, self.softcap
         )

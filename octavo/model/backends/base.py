@@ -62,6 +62,9 @@ class AttentionPlan:
 
     metadata: AttentionMetadata
     windows: dict[int, AttentionPlan] = field(default_factory=dict)
+    # With KV cache groups: each group's plan (over its own block table and slots, cut for
+    # its window), indexed by group; the attention layers of group g use groups[g].
+    groups: list[AttentionPlan] = field(default_factory=list)
 
 
 class AttentionBackend(ABC):
@@ -85,6 +88,18 @@ class AttentionBackend(ABC):
         for window in windows:
             plan.windows[window] = self.plan(metadata.for_window(window), window)
         return plan
+
+    def plan_groups(
+        self, metadata: list[AttentionMetadata], windows: tuple[int, ...]
+    ) -> AttentionPlan:
+        """The plan of one forward over KV cache groups: group g's metadata (its block table
+        and slots) planned for its window; the first group's plan holds them all."""
+        plans = [
+            self.plan(m.for_window(w), w) if w else self.plan(m)
+            for m, w in zip(metadata, windows, strict=True)
+        ]
+        plans[0].groups = plans
+        return plans[0]
 
     def write_kv_cache(
         self, kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor

@@ -30,8 +30,11 @@ class FusedDecodeLayers:
         layer_args: list[tuple],
         max_rows: int | None,
         feed_forwards: list[nn.Module | None] | None = None,
+        attentions: list[nn.Module] | None = None,
     ) -> None:
         self.layer_args = layer_args
+        # Each layer's PagedAttention, for the KV cache group the runner gives it.
+        self.attentions = attentions or [None] * len(layer_args)
         # Per layer, the feed-forward that runs after the kernel's call (a mixture of experts,
         # whose kernel arguments have no MLP parts), or None where the kernel runs the MLP.
         self.feed_forwards = feed_forwards or [None] * len(layer_args)
@@ -53,11 +56,15 @@ class FusedDecodeLayers:
         # A zero residual makes the first layer's add a no-op (x + 0 == x), so its norm sees
         # what the unfused first layer's does.
         residual = torch.zeros_like(hidden)
-        for args, kv_cache, feed_forward in zip(
-            self.layer_args, kv_caches, self.feed_forwards, strict=True
+        for args, kv_cache, feed_forward, attention in zip(
+            self.layer_args, kv_caches, self.feed_forwards, self.attentions, strict=True
         ):
             window = args[-1]
-            decode = (plan.windows[window] if window else plan).decode
+            if plan.groups:  # KV cache groups: the layer's own, cut for its window
+                layer_plan = plan.groups[attention.kv_group]
+            else:
+                layer_plan = plan.windows[window] if window else plan
+            decode = layer_plan.decode
             hidden = ops.decode_layer(
                 hidden,
                 residual,
@@ -65,7 +72,7 @@ class FusedDecodeLayers:
                 cos,
                 sin,
                 kv_cache,
-                plan.metadata.slot_mapping,
+                layer_plan.metadata.slot_mapping,
                 decode.block_table,
                 decode.seq_lens,
             )
@@ -216,4 +223,5 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 attn.attn.window,
             )
         )
-    return FusedDecodeLayers(layer_args, min(limits) if limits else None, feed_forwards)
+    attentions = [layer.self_attn.attn for layer in model.model.layers]
+    return FusedDecodeLayers(layer_args, min(limits) if limits else None, feed_forwards, attentions)
