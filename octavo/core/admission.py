@@ -134,7 +134,7 @@ class CurrentPolicy(AdmissionPolicy):
         if self.watermark == 0.0:
             return True
         kv = kv_cache_manager
-        num_chunk_blocks = -(-candidate.num_new_tokens // kv.block_size)
+        num_chunk_blocks = -(-candidate.num_new_tokens // kv.block_size) * kv.num_groups
         return kv.num_free_blocks - num_chunk_blocks >= _watermark_blocks(self.watermark, kv)
 
     def select_victim(self, running: list[Request]) -> Request:
@@ -146,10 +146,11 @@ class CurrentPolicy(AdmissionPolicy):
 
 def _num_blocks_to_grow(request: Request, num_answer_tokens: int, kv: KVCacheManager) -> int:
     """Blocks the request would still take from the pool to hold every token it knows plus
-    `num_answer_tokens` more, beyond the blocks it holds (shared ones included)."""
+    `num_answer_tokens` more, beyond the blocks it holds (shared ones included), in every KV
+    cache group (a sliding group's counted as if it kept them all: an upper bound)."""
     num_final_tokens = request.num_tokens + num_answer_tokens
     num_held_blocks = len(kv.get_block_ids(request.request_id))
-    return max(-(-num_final_tokens // kv.block_size) - num_held_blocks, 0)
+    return max(-(-num_final_tokens // kv.block_size) - num_held_blocks, 0) * kv.num_groups
 
 
 def _fits_beside_reservations(
@@ -172,7 +173,7 @@ def _fits_beside_reservations(
     num_reserved = sum(_num_blocks_to_grow(r, n, kv) for r, n in reservations)
     num_final_tokens = request.num_tokens + num_candidate_answer_tokens
     num_hit_blocks = candidate.num_hit_tokens // kv.block_size
-    num_needed = -(-num_final_tokens // kv.block_size) - num_hit_blocks
+    num_needed = (-(-num_final_tokens // kv.block_size) - num_hit_blocks) * kv.num_groups
     num_needed += candidate.num_free_hit_blocks
     num_available = kv.num_free_blocks - num_reserved - _watermark_blocks(watermark, kv)
     return num_needed <= num_available

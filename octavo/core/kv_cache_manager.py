@@ -94,6 +94,12 @@ class KVCacheManager:
         return self.groups[0].window
 
     @property
+    def num_groups(self) -> int:
+        """KV cache groups: a token needs a block place in each (policies count them all, a
+        sliding group's as if it kept everything: an upper bound)."""
+        return len(self.groups)
+
+    @property
     def req_to_blocks(self) -> dict[str, list[Block]]:
         """Group 0's block lists (every group's have the same places)."""
         return self.groups[0].req_to_blocks
