@@ -3,8 +3,9 @@
 For each `--batch-sizes` entry N: N random-token prompts of `--context-len` tokens are
 prefilled, a few warm-up steps run, then `--steps` decode steps of all N requests are timed one
 by one (schedule, forward, sample, output processing: the whole engine step). Reports the
-median and fastest step, N / median as decode tok/s and the KV tokens the batch holds at the
-end (blocks in use x block size: under a sliding window far less than the context); the
+median and fastest step, N / median as decode tok/s and the KV the batch holds at the end
+(blocks in use x block size as tokens, and in MiB: under sliding windows far less than the
+context; with KV cache groups a block holds one group's layers); the
 requests are then aborted (their blocks return to the pool) before the next size. This is
 the number the CPU kernels are judged by (benchmarks/history/, "Decode steps"): serving
 throughput adds prefill and the HTTP side on top of it. Ends with one JSON line.
@@ -109,6 +110,9 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
                 "step_ms_min": round(min(times_ms), 2),
                 "decode_tokens_per_s": round(size * 1e3 / median, 1),
                 "kv_tokens_held": blocks_in_use * kv.block_size,
+                "kv_mib_held": round(
+                    blocks_in_use * kv.block_size * engine.config.cache.bytes_per_token / 2**20, 2
+                ),
             }
         )
         print(
