@@ -592,7 +592,9 @@ def capacity_line(
     """The start-up line users size deployments by."""
     mib = cache.num_tokens * cache.bytes_per_token / (1 << 20)
     fit = cache.num_tokens // max_model_len
-    window = ""
+    window = layers = ""
+    if len(cache.group_windows) > 1:  # a block holds one group's layers
+        layers = f" of {1 + max(slot for _, slot in cache.layer_groups)} layers"
     if any(cache.group_windows):
         chunk = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         held = request_blocks(cache.group_windows, cache.block_size, max_model_len, chunk)
@@ -605,7 +607,7 @@ def capacity_line(
             "blocks a window has left go back to the pool)"
         )
     return (
-        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
+        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens{layers} = "
         f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}); "
         f"{fit} requests of max_model_len ({max_model_len}) fit{window}"
     )
