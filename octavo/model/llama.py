@@ -197,11 +197,7 @@ class LlamaModel(nn.Module):
         local = cos, sin
         if self.local_rotary_emb is not None:
             local = self.local_rotary_emb(positions, hidden_states.dtype)
-        if (
-            self.fused_decode is not None
-            and attn_plan.metadata.is_all_decode
-            and self.fused_decode.runs(input_ids.shape[0])
-        ):
+        if self.fused_decode is not None and attn_plan.metadata.is_all_decode:
             hidden_states, residual = self.fused_decode(
                 hidden_states, cos, sin, kv_caches, attn_plan
             )

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from octavo.model.cpu import build, ops
+from octavo.model.cpu import build, fused, ops
 from octavo.model.formats import DenseWeight
 from octavo.model.formats.base import ConcatWeight
 from octavo.model.formats.ggml import BLOCK_TYPES, QuantizedTensor, dequantize
@@ -292,30 +292,36 @@ def test_q4_k_m_like_mix_with_quantized_embeddings(tmp_path, monkeypatch):
 
 
 @kernels
-def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(
+    tmp_path, monkeypatch, arch
+):
     """All-decode steps of a block-weight model run each layer as one ops.decode_layer call
     (projections of one or two block types, repacked or not), with the same logits bit for bit
-    as the layers' own forward; a step of more rows than a block weight's max_rows (where
-    torch's GEMM takes over) runs the layers' own forward."""
+    as the layers' own forward, also in a step of more rows than the block weights' max_rows,
+    where the call multiplies them by torch's GEMM as their formats do (a projection of two
+    types each on its own side of its limit included)."""
     types = {}
     for i in range(2):
         for name, qtype in zip(LINEAR, (Q.Q4_K, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)):
             types[f"blk.{i}.{name}.weight"] = qtype
-    tiny_quantized_gguf(tmp_path / "m.gguf", "llama", types, seed=6)
+    tiny_quantized_gguf(tmp_path / "m.gguf", arch, types, seed=6)
     model, backend = load(tmp_path / "m.gguf", max_rows=2)
-    assert backend.fused_decode_layer == "on for decode steps of up to 2 rows"
-    assert model.model.layers[0].self_attn.qkv_proj.weight_format.name == "Q4_K+Q8_0"
-    assert model.model.fused_decode.max_rows == 2
+    assert backend.fused_decode_layer == "on"
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight_format
+    assert qkv.name == "Q4_K+Q8_0"
+    qkv.parts[1].max_rows = 3  # the 3-row step: Q4_K by the GEMM, Q8_0 by the kernel
+    model.model.fused_decode = fused.bind(model)
     calls = []
     decode_layer = ops.decode_layer
     monkeypatch.setattr(ops, "decode_layer", lambda *a: calls.append(1) or decode_layer(*a))
     prompts = {"a": TOKENS[:5], "b": TOKENS[3:9], "c": TOKENS[1:4]}
     steps = [prompts]
     steps += [{"a": [3 + step], "b": [7 + step]} for step in range(3)]  # fused: 2 rows
-    steps += [{r: [11 + i] for i, r in enumerate(prompts)}]  # 3 rows: not fused
-    fused, plain = PagedHarness(model, backend, seed=3), PagedHarness(model, backend, seed=3)
-    fused_logits = [fused.step(scheduled) for scheduled in steps]
-    assert len(calls) == 3 * model.config.num_hidden_layers
+    steps += [{r: [11 + i] for i, r in enumerate(prompts)}]  # 3 rows: GEMMs in the call
+    one_call, plain = PagedHarness(model, backend, seed=3), PagedHarness(model, backend, seed=3)
+    fused_logits = [one_call.step(scheduled) for scheduled in steps]
+    assert len(calls) == 4 * model.config.num_hidden_layers
     model.model.fused_decode = None
     for scheduled, expected in zip(steps, fused_logits, strict=True):
         out = plain.step(scheduled)
@@ -384,7 +390,7 @@ def test_embedded_model_native_agrees_with_the_float_path(tmp_path, weights):
     model, backend = load(path)
     if weights == "shipped Q4_1":
         assert backend.weights_report["formats"] == {"Q4_1": 120, "Q8_0": 1}
-    assert backend.fused_decode_layer.startswith("on for decode steps of up to")
+    assert backend.fused_decode_layer == "on"
     native = PagedHarness(model, backend, num_blocks=256, block_size=16)
     _, native_rows = _greedy_run(native, names, 64, forced=generated)
     agree, deltas = 0, []

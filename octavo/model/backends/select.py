@@ -81,12 +81,8 @@ class ModelBackend:
         self.weights_report = self.prepare_weights(model)
         reason = self._fused_incompatibility(model)
         if reason is None:
-            layers = model.model.fused_decode = fused.bind(model)
-            self.fused_decode_layer = (
-                "on"
-                if layers.max_rows is None
-                else f"on for decode steps of up to {layers.max_rows} rows"
-            )
+            model.model.fused_decode = fused.bind(model)
+            self.fused_decode_layer = "on"
         else:
             self.fused_decode_layer = f"off: {reason}"
 

@@ -28,7 +28,6 @@ class FusedDecodeLayers:
     def __init__(
         self,
         layer_args: list[tuple],
-        max_rows: int | None,
         feed_forwards: list[nn.Module | None] | None = None,
         attentions: list[nn.Module] | None = None,
     ) -> None:
@@ -38,14 +37,6 @@ class FusedDecodeLayers:
         # Per layer, the feed-forward that runs after the kernel's call (a mixture of experts,
         # whose kernel arguments have no MLP parts), or None where the kernel runs the MLP.
         self.feed_forwards = feed_forwards or [None] * len(layer_args)
-        # Rows up to which a step runs fused: the least max_rows of the block weights (above
-        # it they are multiplied by torch's GEMM, which only the layers' own forward does);
-        # None: any number (packed weights only).
-        self.max_rows = max_rows
-
-    def runs(self, num_tokens: int) -> bool:
-        """Whether an all-decode step of num_tokens rows runs fused."""
-        return self.max_rows is None or num_tokens <= self.max_rows
 
     def __call__(
         self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor], plan
@@ -129,9 +120,8 @@ def _kernel_mlp(mlp: nn.Module) -> tuple[nn.Module, ...]:
 class MoeFeedForward:
     """A mixture of experts as one ops.moe_feed_forward call, its weights bound."""
 
-    def __init__(self, args: tuple, limits: list[int]) -> None:
+    def __init__(self, args: tuple) -> None:
         self.args = args
-        self.limits = limits
 
     def __call__(self, hidden: Tensor) -> Tensor:
         return ops.moe_feed_forward(hidden, self.args)
@@ -148,34 +138,42 @@ def _moe_kernel(mlp: nn.Module) -> MoeFeedForward | None:
     parts = [kernel_parts(linear.weight_format) for linear in linears]
     if any(p is None for p in parts):
         return None
-    weights, limits = _kernel_args(parts)
-    return MoeFeedForward((*weights, mlp.top_k, mlp.renormalize), limits)
+    return MoeFeedForward((*_kernel_args(parts), mlp.top_k, mlp.renormalize))
 
 
-def _kernel_args(parts: list[list[tuple]]) -> tuple[tuple[list, list, list, list], list[int]]:
+def _kernel_args(parts: list[list[tuple]]) -> tuple:
     """Projections' kernel parts (kernel_parts each) as the kernels take them: (weights,
-    kinds, rows, each projection's count), and the max_rows of those that have one."""
+    kinds, rows, limits, each projection's count, the dtype block weights are dequantized to
+    above their limit)."""
     flat = [part for projection in parts for part in projection]
-    args = (
+    gemm_dtypes = {part[4] for part in flat if part[4] is not None}
+    if len(gemm_dtypes) > 1:
+        raise ValueError(f"a layer's block weights dequantize to {sorted(map(str, gemm_dtypes))}")
+    return (
         [part[0] for part in flat],
         [part[1] for part in flat],
         [part[2] for part in flat],
+        [part[3] for part in flat],
         [len(projection) for projection in parts],
+        gemm_dtypes.pop() if gemm_dtypes else torch.float32,
     )
-    return args, [part[3] for part in flat if part[3] is not None]
 
 
-def kernel_parts(fmt: LinearWeight) -> list[tuple[Tensor, int, int, int | None]] | None:
-    """A projection's weight as the kernel's parts: (weight, kind, rows, max_rows) each, kind
-    -1 for packed panels (max_rows None: the kernel takes any batch) or the block type id the
-    block kernel reads; None where a part is neither (a float part, or blocks without the
-    kernels)."""
+KernelPart = tuple[Tensor, int, int, int, torch.dtype | None]
+
+
+def kernel_parts(fmt: LinearWeight) -> list[KernelPart] | None:
+    """A projection's weight as the kernel's parts: (weight, kind, rows, limit, gemm dtype)
+    each, kind -1 for packed panels (limit -1: the kernel takes any batch) or the block type id
+    the block kernel reads, which takes up to `limit` rows (the format's max_rows) and torch's
+    GEMM on the blocks dequantized to the gemm dtype above; None where a part is neither (a
+    float part, or blocks without the kernels)."""
     if isinstance(fmt, PackedWeight):
-        return [(fmt.packed, -1, fmt.weight.shape[0], None)]
+        return [(fmt.packed, -1, fmt.weight.shape[0], -1, None)]
     if isinstance(fmt, QuantizedWeight):
         if not fmt.kernels:
             return None
-        return [(fmt.tensor.blocks, fmt.kernel_type, fmt.shape[0], fmt.max_rows)]
+        return [(fmt.tensor.blocks, fmt.kernel_type, fmt.shape[0], fmt.max_rows, fmt.gemm_dtype)]
     if isinstance(fmt, ConcatWeight):
         parts = [kernel_parts(part) for part in fmt.parts]
         if any(p is None or p[0][1] < 0 for p in parts):
@@ -188,15 +186,12 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
     """The kernel arguments of every layer (weights are fixed once loaded). Call only when
     incompatibility(model) is None."""
     layer_args = []
-    limits = []
     feed_forwards = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         kernel_mlp = _kernel_mlp(mlp)
         moe = None if kernel_mlp else _moe_kernel(mlp)
-        if moe is not None:
-            limits += moe.limits
         feed_forwards.append(None if kernel_mlp else (moe or mlp))
         projections = (attn.qkv_proj, attn.o_proj, *kernel_mlp)
         parts = [kernel_parts(linear.weight_format) for linear in projections]
@@ -204,14 +199,12 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
         biases = [linear.bias for linear in projections] + [None] * (4 - len(projections))
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
         qk_norm_kind = {"": 0, "head": 1, "full": 2}[attn.qk_norm]
-        weights, weight_limits = _kernel_args(parts)
-        limits += weight_limits
         layer_args.append(
             (
                 norms[0].weight,
                 norms[1].weight,
                 norms[0].eps,
-                *weights,
+                *_kernel_args(parts),
                 *biases,
                 *qk_norms,
                 qk_norm_kind,
@@ -224,4 +217,4 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
             )
         )
     attentions = [layer.self_attn.attn for layer in model.model.layers]
-    return FusedDecodeLayers(layer_args, min(limits) if limits else None, feed_forwards, attentions)
+    return FusedDecodeLayers(layer_args, feed_forwards, attentions)

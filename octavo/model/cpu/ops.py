@@ -171,10 +171,12 @@ def decode_layer(
     the kernels above in the order the model's Python layer makes them (same results).
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
-    and sizes, (input_norm, post_norm, eps, weights, kinds, rows, parts, qkv_bias, o_bias,
-    gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind, residual_multiplier, num_heads,
-    num_kv_heads, head_dim, scale, window): the four projections' weights as parts (packed, or
-    GGML blocks with their type id; decode_layer.cpp), optional biases, optional q/k norm
+    and sizes, (input_norm, post_norm, eps, weights, kinds, rows, limits, parts, gemm_dtype,
+    qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind,
+    residual_multiplier, num_heads, num_kv_heads, head_dim, scale, window): the four
+    projections' weights as parts (packed, or GGML blocks with their type id, the block kernel
+    up to `limits` rows and torch's GEMM in gemm_dtype above; decode_layer.cpp), optional
+    biases, optional q/k norm
     weights (qk_norm_kind 1: per head, Qwen3; 2: over the projections, OLMoE; 0: none) and
     the scale of each sublayer's output (Granite; fused.py builds them all); cos, sin: (num_tokens,
     head_dim) float32; the last three as for paged_decode_attention (cut for the layer's
@@ -188,8 +190,8 @@ def decode_layer(
 def moe_feed_forward(x: Tensor, moe_args: tuple) -> Tensor:
     """A mixture-of-experts feed-forward (SparseMoE without a shared expert) over decode rows
     as one call, the same kernel and torch calls in the same order as its Python forward (same
-    results). moe_args: (weights, kinds, rows, parts, top_k, renormalize), parts the router's
-    count, then each expert's gate_up and down (fused.py binds them)."""
+    results). moe_args: (weights, kinds, rows, limits, parts, gemm_dtype, top_k, renormalize),
+    parts the router's count, then each expert's gate_up and down (fused.py binds them)."""
     return torch.ops.octavo.moe_feed_forward(x, *moe_args)
 
 

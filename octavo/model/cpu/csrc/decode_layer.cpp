@@ -13,28 +13,71 @@ namespace octavo {
 namespace {
 
 // Projections given as parts (see decode_layer): projection p is parts[p] consecutive entries
-// of weights / kinds / rows, packed panels (kind -1, one part) or GGML blocks of one or more
-// types, each multiplied by its kernel in one call.
+// of weights / kinds / rows / limits, packed panels (kind -1, one part) or GGML blocks of one or
+// more types. A block part's limit is the most rows its kernel takes (the weight format's
+// max_rows; -1: any): above it the part is dequantized to gemm_dtype and multiplied by torch's
+// GEMM, as formats/quantized.py's QuantizedWeight.matmul does, so the results are the Python
+// formats' own.
 struct Projections {
   at::TensorList weights;
-  at::IntArrayRef kinds, rows, parts;
+  at::IntArrayRef kinds, rows, limits, parts;
+  at::ScalarType gemm_dtype;
   std::vector<int64_t> first;  // each projection's first entry
 
   Projections(at::TensorList weights_, at::IntArrayRef kinds_, at::IntArrayRef rows_,
-              at::IntArrayRef parts_, const char* op)
-      : weights(weights_), kinds(kinds_), rows(rows_), parts(parts_), first(parts_.size() + 1, 0) {
+              at::IntArrayRef limits_, at::IntArrayRef parts_, at::ScalarType gemm_dtype_,
+              const char* op)
+      : weights(weights_), kinds(kinds_), rows(rows_), limits(limits_), parts(parts_),
+        gemm_dtype(gemm_dtype_), first(parts_.size() + 1, 0) {
     for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
     TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
-                    kinds.size() == weights.size() && rows.size() == weights.size(),
-                op, ": one kind and row count per weight part");
+                    kinds.size() == weights.size() && rows.size() == weights.size() &&
+                    limits.size() == weights.size(),
+                op, ": one kind, row count and row limit per weight part");
   }
 
-  at::Tensor operator()(const at::Tensor& x, int64_t projection) const {
-    const int64_t begin = first[projection], count = parts[projection];
-    return kinds[begin] < 0
-               ? packed_linear(x, weights[begin], rows[begin])
-               : quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),
-                                    rows.slice(begin, count));
+  bool kernel_takes(int64_t entry, int64_t m) const {
+    return limits[entry] < 0 || m <= limits[entry];
+  }
+
+  // x @ W^T (+ bias) for W the part at `entry` dequantized, by torch's GEMM
+  // (QuantizedWeight.gemm_matmul).
+  at::Tensor gemm(const at::Tensor& x, int64_t entry, const c10::optional<at::Tensor>& bias) const {
+    const bool kernel_dtype = gemm_dtype == at::kFloat || gemm_dtype == at::kBFloat16;
+    at::Tensor w = quant_dequantize(weights[entry], kinds[entry], x.size(1),
+                                    kernel_dtype ? gemm_dtype : at::kFloat);
+    if (w.scalar_type() != gemm_dtype) w = w.to(gemm_dtype);
+    if (gemm_dtype == x.scalar_type()) return at::linear(x, w, bias);
+    at::Tensor out = at::linear(x.to(gemm_dtype), w).to(x.scalar_type());
+    return bias.has_value() ? out.add(*bias) : out;
+  }
+
+  at::Tensor operator()(const at::Tensor& x, int64_t projection,
+                        const c10::optional<at::Tensor>& bias = c10::nullopt) const {
+    const int64_t begin = first[projection], count = parts[projection], m = x.size(0);
+    at::Tensor out;
+    bool all_kernel = true;
+    for (int64_t i = begin; i < begin + count; ++i) all_kernel = all_kernel && kernel_takes(i, m);
+    if (kinds[begin] < 0) {
+      out = packed_linear(x, weights[begin], rows[begin]);
+    } else if (all_kernel) {
+      out = quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),
+                               rows.slice(begin, count));
+    } else if (count == 1) {
+      return gemm(x, begin, bias);
+    } else {
+      // ConcatWeight: each part's own matmul, concatenated, then the bias.
+      std::vector<at::Tensor> outs;
+      for (int64_t i = begin; i < begin + count; ++i) {
+        outs.push_back(kernel_takes(i, m)
+                           ? quant_linear_parts(x, weights.slice(i, 1), kinds.slice(i, 1),
+                                                rows.slice(i, 1))
+                           : gemm(x, i, c10::nullopt));
+      }
+      out = at::cat(outs, 1);
+    }
+    if (bias.has_value()) out.add_(*bias);
+    return out;
   }
 };
 
@@ -56,11 +99,13 @@ struct Projections {
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
 // pack_linear_weight (packed_linear, one part), else the GGML block type id, repacked or not, of
-// blocks (quant_linear_parts), as the Python weight formats multiply them. The Python wrapper
-// checks the rest.
+// blocks (quant_linear_parts) up to limits[i] rows and torch's GEMM on them dequantized to
+// gemm_dtype above (Projections), as the Python weight formats multiply them. The Python
+// wrapper checks the rest.
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
-                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef parts,
+                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef limits,
+                        at::IntArrayRef parts, at::ScalarType gemm_dtype,
                         const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
                         const c10::optional<at::Tensor>& gate_up_bias,
@@ -76,12 +121,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(parts.size() == 4, "decode_layer: parts of four projections");
-  const Projections projections(weights, kinds, rows, parts, "decode_layer");
-  auto linear = [&](const at::Tensor& x, int projection, const c10::optional<at::Tensor>& bias) {
-    at::Tensor out = projections(x, projection);
-    if (bias.has_value()) out.add_(*bias);
-    return out;
-  };
+  const Projections linear(weights, kinds, rows, limits, parts, gemm_dtype, "decode_layer");
   rms_norm(hidden, residual, input_norm, eps, true);
   at::Tensor qkv = linear(hidden, 0, qkv_bias);
   at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
@@ -138,15 +178,15 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
 // router's logits, softmax in float32, top-k, renormalised if asked; one row runs its experts
 // in ascending order (scale, then add); more rows are grouped by expert (a stable sort of
 // the (row, choice) pairs), each expert runs once on its rows, and the scaled outputs are
-// summed per row in that order. weights, kinds and rows as for decode_layer; parts: the
-// router's count, then each expert's gate_up and down.
+// summed per row in that order. weights, kinds, rows, limits and gemm_dtype as for
+// decode_layer; parts: the router's count, then each expert's gate_up and down.
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
-                            at::IntArrayRef rows, at::IntArrayRef parts, int64_t top_k,
-                            bool renormalize) {
+                            at::IntArrayRef rows, at::IntArrayRef limits, at::IntArrayRef parts,
+                            at::ScalarType gemm_dtype, int64_t top_k, bool renormalize) {
   const int64_t num_experts = (static_cast<int64_t>(parts.size()) - 1) / 2;
   TORCH_CHECK(num_experts > 0 && static_cast<int64_t>(parts.size()) == 1 + 2 * num_experts,
               "moe_feed_forward: parts of the router and of each expert's two projections");
-  const Projections linear(weights, kinds, rows, parts, "moe_feed_forward");
+  const Projections linear(weights, kinds, rows, limits, parts, gemm_dtype, "moe_feed_forward");
   TORCH_CHECK(0 < top_k && top_k <= num_experts, "moe_feed_forward: top_k of ", num_experts);
   auto expert = [&](const at::Tensor& in, int64_t e) {
     return linear(silu_and_mul(linear(in, 1 + 2 * e)), 2 + 2 * e);

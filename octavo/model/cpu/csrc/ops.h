@@ -51,7 +51,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 // decode_layer.cpp
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
-                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef parts,
+                        at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef limits,
+                        at::IntArrayRef parts, at::ScalarType gemm_dtype,
                         const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
                         const c10::optional<at::Tensor>& gate_up_bias,
@@ -64,8 +65,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& seq_lens);
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
-                            at::IntArrayRef rows, at::IntArrayRef parts, int64_t top_k,
-                            bool renormalize);
+                            at::IntArrayRef rows, at::IntArrayRef limits, at::IntArrayRef parts,
+                            at::ScalarType gemm_dtype, int64_t top_k, bool renormalize);
 
 // sampling.cpp
 at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform);

@@ -71,15 +71,16 @@ TORCH_LIBRARY(octavo, m) {
       " -> ()");
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
-      "Tensor post_norm, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
+      "Tensor post_norm, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] limits, "
+      "int[] parts, ScalarType gemm_dtype, "
       "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
       "Tensor? q_norm, Tensor? k_norm, int qk_norm_kind, float residual_multiplier, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, int window, Tensor cos, "
       "Tensor sin, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
   m.def(
-      "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
-      "int top_k, bool renormalize) -> Tensor");
+      "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] limits, "
+      "int[] parts, ScalarType gemm_dtype, int top_k, bool renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
