@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # --dtype and --kv-cache-dtype; "auto" is resolved from the machine (dtype) or the compute
 # dtype (the cache).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of them.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The attention backends select_backend knows (model/backends/select.py).
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
@@ -158,6 +160,8 @@ class EngineConfig:
     quantization: str | None = None
     # What the backend chose once the model was loaded (ModelBackend.describe()); empty before.
     backend_choices: dict[str, Any] = field(default_factory=dict)
+    # Every name clients may give in `model` (served_model_name is the first, the one reported).
+    served_model_names: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -175,6 +179,8 @@ class PlatformInfo:
     native_bf16: str
     # Bytes the KV cache takes when the user sets no capacity.
     default_kv_cache_bytes: int
+    # The device's whole memory (host RAM on a CPU), which gpu_memory_utilization is a share of.
+    total_memory_bytes: int = 0
 
 
 # --------------------------------------------------------------------------- user settings
@@ -187,12 +193,52 @@ def setting(
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
     metavar: str | None = None,
     cli: bool = True,
+    short: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    nargs: str | None = None,
 ) -> Any:
     """An EngineArgs field: its default, the help text its flag shows, the values it takes (a
-    sequence, or a function giving them where they live in another module), and whether it is
-    a flag at all."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli}
+    sequence, or a function giving them where they live in another module), whether it is a
+    flag at all, its short spelling (vLLM's `-q`), how its value is parsed where that is not
+    the field's type (vLLM's `4k`), and argparse's nargs (several values)."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "metavar": metavar,
+        "cli": cli,
+        "short": short,
+        "parse": parse,
+        "nargs": nargs,
+    }
     return field(default=default, metadata=metadata)
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's flags take it: digits, or a number with a suffix, k/m/g/t for
+    powers of 1000 (`25.6k` = 25600) and K/M/G/T for powers of 1024 (`4K` = 4096, whole
+    numbers only)."""
+    text = str(text).strip()
+    decimal = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    binary = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    suffix = text[-1:]
+    try:
+        if suffix in decimal:
+            return int(float(text[:-1]) * decimal[suffix])
+        if suffix in binary:
+            return int(text[:-1]) * binary[suffix]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer (digits, or a number with k/m/g/t for powers of 1000 "
+            "or a whole number with K/M/G/T for powers of 1024)"
+        ) from None
+
+
+def model_len(text: str) -> int | None:
+    """--max-model-len: human_readable_int, or auto / -1 for the model's own (capped)."""
+    if str(text).strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
 
 
 @dataclass
@@ -202,14 +248,17 @@ class EngineArgs:
     model: str | None = setting(
         None, "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
     )
-    served_model_name: str | None = setting(
-        None, "the name clients use in `model` (default: from the model)"
+    served_model_name: str | list[str] | None = setting(
+        None,
+        "the name clients use in `model`, or several (the first is the one reported; default: "
+        "from the model)",
+        nargs="+",
     )
     dtype: str = setting(
         "auto",
         "compute dtype (auto: float32 on CPUs, over bfloat16 weight matrices where the CPU has "
         "native bfloat16; bfloat16 on GPUs that support it, else float16)",
-        choices=DTYPES,
+        choices=(*DTYPES, *DTYPE_ALIASES),
     )
     quantization: str | None = setting(
         None,
@@ -217,6 +266,7 @@ class EngineArgs:
         "type (q8_0 ... q4_0, q6_k, q5_k, q4_k) or llama-quantize's mix q4_k_m / q5_k_m "
         "quantizes a float checkpoint's matrices at load",
         choices=QUANTIZATIONS,
+        short="-q",
     )
     kv_cache_dtype: str = setting(
         "auto",
@@ -225,20 +275,34 @@ class EngineArgs:
         choices=DTYPES,
     )
     max_model_len: int | None = setting(
-        None, "longest prompt + output (default: the model's, capped by the KV capacity)"
+        None,
+        "longest prompt + output, e.g. 4096 or 4k (default or auto: the model's, capped by the "
+        "KV capacity)",
+        parse=model_len,
     )
     max_num_seqs: int = setting(64, "most requests running at once")
     max_num_batched_tokens: int | None = setting(
-        None, f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+        None,
+        f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        parse=human_readable_int,
     )
     long_prefill_token_threshold: int | None = setting(
         None,
         "at most this many prompt tokens of one request per step (0: no cap; default: "
         f"{DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, no cap elsewhere)",
     )
-    kv_cache_tokens: int | None = setting(None, "KV capacity in tokens")
+    kv_cache_tokens: int | None = setting(None, "KV capacity in tokens", parse=human_readable_int)
     kv_cache_memory_bytes: int | None = setting(
-        None, "KV capacity in bytes (default: a share of free memory)"
+        None,
+        "KV capacity in bytes, e.g. 4G (default: see --gpu-memory-utilization)",
+        parse=human_readable_int,
+    )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        "share of the device's memory (host RAM on a CPU) for the weights and the KV cache: "
+        "the KV cache gets this share of the total less the model's weight files (default: a "
+        "quarter of the available memory, at most 4 GiB, on a CPU; 0.8 of the free memory on "
+        "a GPU)",
     )
     block_size: int | None = setting(
         None,
@@ -298,6 +362,22 @@ class EngineArgs:
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
         for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            setattr(self, name, DTYPE_ALIASES.get(value, value))
+        names = self.served_model_name
+        if isinstance(names, (list, tuple)) and not (names and all(names)):
+            raise ValueError("served_model_name must name at least one model.")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(
+                    f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+                )
+            if self.kv_cache_tokens is not None or self.kv_cache_memory_bytes is not None:
+                raise ValueError(
+                    "Set gpu_memory_utilization or a KV capacity (kv_cache_tokens, "
+                    "kv_cache_memory_bytes), not both."
+                )
+        for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}; got {getattr(self, name)!r}."
@@ -346,19 +426,23 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli", True) or f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")]
+            if f.metadata["short"]:
+                flags.append(f.metadata["short"])
             kind = _scalar_type(hints[f.name])
             choices = f.metadata["choices"]
             options: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
             if kind is bool:
                 options["action"] = argparse.BooleanOptionalAction
             else:
-                options["type"] = kind
+                options["type"] = f.metadata["parse"] or kind
                 if choices is not None:
                     options["choices"] = list(choices() if callable(choices) else choices)
                 if f.metadata["metavar"]:
                     options["metavar"] = f.metadata["metavar"]
-            group.add_argument(flag, **options)
+                if f.metadata["nargs"]:
+                    options["nargs"] = f.metadata["nargs"]
+            group.add_argument(*flags, **options)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -371,10 +455,15 @@ class EngineArgs:
     # ----------------------------------------------------------------------- resolution
 
     def create_engine_config(
-        self, platform: PlatformInfo, model_config: ModelConfig, model_path: str
+        self,
+        platform: PlatformInfo,
+        model_config: ModelConfig,
+        model_path: str,
+        weight_bytes: int = 0,
     ) -> EngineConfig:
-        """Every effective setting for this machine and model. Raises ValueError naming the
-        setting when the capacity asked for cannot hold what is asked of it."""
+        """Every effective setting for this machine and model (whose weight files hold
+        weight_bytes). Raises ValueError naming the setting when the capacity asked for cannot
+        hold what is asked of it."""
         block_types = model_config.weight_block_types
         if self.quantization not in (None, "gguf"):
             block_types = (self.quantization.upper(),)
@@ -401,6 +490,7 @@ class EngineArgs:
             bytes_per_token,
             platform,
             kv_cache_bytes_per_token(model_config, kv_cache_dtype),
+            weight_bytes,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         # The longest request the pool holds: with sliding groups, their windows' blocks beside
@@ -420,9 +510,12 @@ class EngineArgs:
         long_prefill = self.long_prefill_token_threshold
         if long_prefill is None:
             long_prefill = DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD if on_cpu else 0
+        names = self.served_model_name or [_default_name(self.model)]
+        names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
         return EngineConfig(
             model=model_path,
-            served_model_name=self.served_model_name or _default_name(self.model),
+            served_model_name=names[0],
+            served_model_names=tuple(names),
             dtype=dtype,
             dtype_reason=dtype_reason,
             weight_dtype=weight_dtype,
@@ -467,6 +560,7 @@ class EngineArgs:
         bytes_per_token: int,
         platform: PlatformInfo,
         model_bytes_per_token: int,
+        weight_bytes: int,
     ) -> int:
         """bytes_per_token: what a block holds per token (one KV cache group's layers);
         model_bytes_per_token: all layers' (kv_cache_tokens counts tokens of every layer, so
@@ -476,6 +570,17 @@ class EngineArgs:
             return -(-tokens_bytes // bytes_per_token)
         block_bytes = bytes_per_token * block_size
         budget = self.kv_cache_memory_bytes or platform.default_kv_cache_bytes
+        if self.gpu_memory_utilization is not None:
+            share = int(self.gpu_memory_utilization * platform.total_memory_bytes)
+            budget = share - weight_bytes
+            if budget < block_bytes:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.gpu_memory_utilization}: that share of the "
+                    f"{platform.total_memory_bytes / 2**30:.1f} GiB of memory less the model's "
+                    f"{weight_bytes / 2**30:.2f} GiB of weights leaves {max(budget, 0)} bytes, "
+                    f"less than one KV block ({block_bytes} bytes); raise it or set "
+                    "kv_cache_memory_bytes."
+                )
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(

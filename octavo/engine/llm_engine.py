@@ -89,7 +89,9 @@ class LLMEngine:
         from octavo.worker.setup import build_model_runner, probe
 
         facts = probe(args)
-        config = args.create_engine_config(facts.platform, facts.model_config, facts.model_path)
+        config = args.create_engine_config(
+            facts.platform, facts.model_config, facts.model_path, facts.weight_bytes
+        )
         runner, backend = build_model_runner(config)
         config = dataclasses.replace(config, backend_choices=backend.describe())
         logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)

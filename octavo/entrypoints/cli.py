@@ -4,8 +4,10 @@ vLLM."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from collections.abc import Callable
 
 from octavo.config import EngineArgs
 
@@ -29,18 +31,69 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="model to serve (same as --model)",
     )
     group = parser.add_argument_group("server")
+    group.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="flags from a YAML file (`port: 8000`, `api-key: [a, b]`, `enable-auto-tool-choice: "
+        "true`); flags on the command line win",
+    )
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every path but /health",
+        nargs="+",
+        help="require `Authorization: Bearer KEY` on every path but /health (one of several "
+        "keys, if several are given)",
     )
     group.add_argument(
         "--allowed-origins",
         default=None,
         help="CORS origins, a JSON list or comma-separated (e.g. '[\"*\"]'); "
         "CORS is off by default",
+    )
+    group.add_argument(
+        "--allowed-methods",
+        default=None,
+        help='CORS methods, as --allowed-origins (default: ["*"])',
+    )
+    group.add_argument(
+        "--allowed-headers",
+        default=None,
+        help='CORS headers, as --allowed-origins (default: ["*"])',
+    )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "debug", "error", "info", "trace", "warning"],
+        help="uvicorn's log level",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )
+    group.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)",
+    )
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    group.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    group.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates that client certificates must match"
+    )
+    group.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="whether client certificates are required (Python's ssl.CERT_NONE 0, "
+        "CERT_OPTIONAL 1, CERT_REQUIRED 2)",
+    )
+    group.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers allowed")
+    group.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="do not serve /docs, /redoc and /openapi.json",
     )
     # Checked by ServerConfig (importing the parser registry here would load the server).
     group.add_argument(
@@ -108,21 +161,37 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config_from(ns: argparse.Namespace):
+def _string_list(text: str | None, default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A JSON list or comma-separated values (vLLM's CORS flags take JSON lists)."""
     import json
 
+    if not text:
+        return default
+    text = text.strip()
+    values = json.loads(text) if text.startswith("[") else text.split(",")
+    return tuple(str(v).strip() for v in values if str(v).strip())
+
+
+def server_config_from(ns: argparse.Namespace):
     from octavo.entrypoints.server.app import ServerConfig
 
-    origins: tuple[str, ...] = ()
-    if ns.allowed_origins:
-        text = ns.allowed_origins.strip()
-        values = json.loads(text) if text.startswith("[") else text.split(",")
-        origins = tuple(str(v).strip() for v in values if str(v).strip())
     return ServerConfig(
         host=ns.host,
         port=ns.port,
-        api_key=ns.api_key,
-        allowed_origins=origins,
+        api_key=tuple(ns.api_key) if ns.api_key else None,
+        allowed_origins=_string_list(ns.allowed_origins),
+        allowed_methods=_string_list(ns.allowed_methods, ("*",)),
+        allowed_headers=_string_list(ns.allowed_headers, ("*",)),
+        allow_credentials=ns.allow_credentials,
+        uvicorn_log_level=ns.uvicorn_log_level,
+        disable_uvicorn_access_log=ns.disable_uvicorn_access_log,
+        root_path=ns.root_path,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs,
+        ssl_ciphers=ns.ssl_ciphers,
+        disable_fastapi_docs=ns.disable_fastapi_docs,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         max_request_body_bytes=ns.max_request_body_bytes,
@@ -170,6 +239,10 @@ def make_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_server_args(serve)
     add_engine_args(serve)
+    # Then every other flag of `vllm serve`, held to its disposition (vllm_compat.py).
+    from octavo.entrypoints.vllm_compat import add_vllm_flags
+
+    add_vllm_flags(serve)
 
     generate = commands.add_parser("generate", help="complete one prompt and print the text")
     generate.add_argument("prompt")
@@ -245,13 +318,68 @@ def convert_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "octavo.model.convert", *args]
 
 
+def config_file_args(path: str, has_option: Callable[[str], bool]) -> list[str]:
+    """A YAML file of flags (vLLM's --config) as command-line arguments: `key: value` is
+    `--key value`, a list several values, a mapping its JSON, true `--key` and false
+    `--no-key` where the flag has that form."""
+    import yaml
+
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config takes a .yaml or .yml file, got {path!r}.")
+    with open(path) as f:
+        entries = yaml.safe_load(f) or {}
+    if not isinstance(entries, dict):
+        raise ValueError(f"--config {path}: the file must hold a mapping of flag names to values.")
+    args: list[str] = []
+    for key, value in entries.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            negative = "--no-" + flag[2:]
+            args += [flag] if value else [negative] if has_option(negative) else []
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`serve [MODEL] ... --config FILE ...` with the file's flags in place of the option,
+    right after the command and its model, so that flags given on the command line win."""
+    if argv[:1] != ["serve"] or "--config" not in argv:
+        return argv
+    if argv.count("--config") > 1:
+        raise ValueError("--config may be given once.")
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise ValueError("--config needs a file.")
+    serve = _subparser(parser, "serve")
+    known = {option for action in serve._actions for option in action.option_strings}
+    added = config_file_args(argv[index + 1], known.__contains__)
+    rest = argv[:index] + argv[index + 2 :]
+    head = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1
+    return rest[:head] + added + rest[head:]
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["convert"]:
         import subprocess
 
         return subprocess.call(convert_command(argv[1:]))
-    ns = make_parser().parse_args(argv)
+    parser = make_parser()
+    try:
+        argv = expand_config_file(argv, parser)
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"octavo serve: error: {exc}\n")
+    ns = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
@@ -260,7 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             from octavo.entrypoints.server.app import run_server
+            from octavo.entrypoints.vllm_compat import VllmFlagRefused, check_namespace
 
+            try:
+                notes = check_namespace(ns)
+            except VllmFlagRefused as exc:
+                parser.exit(2, f"octavo serve: error: {exc}\n")
+            for note in notes:
+                logging.getLogger("octavo.serve").info(note)
             args = EngineArgs.from_cli_args(ns, model=ns.model_tag or ns.model)
             return run_server(args, server_config_from(ns))
         if ns.command == "generate":

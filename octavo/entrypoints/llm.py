@@ -7,6 +7,8 @@ llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +21,9 @@ from octavo.engine.input_processor import ProcessedPrompt, PromptType
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import RequestOutput
+from octavo.entrypoints.vllm_compat import check_keywords
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[Mapping[str, Any]]
 
@@ -28,8 +33,15 @@ class LLM:
         """`model`: an HF folder or .gguf file (None: the embedded default). Every other
         keyword is an EngineArgs field, with the meaning and default of the flag of the same
         name (octavo/config.py lists them: dtype, max_model_len, kv_cache_tokens, admission,
-        chat_template, ...); an unknown keyword is a TypeError."""
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        chat_template, ...), or one of vLLM's EngineArgs fields, held to the disposition of its
+        flag (vllm_compat.py: logged where it has no effect here, a ValueError naming it where
+        it is refused); any other keyword is a TypeError."""
+        own = {f.name for f in dataclasses.fields(EngineArgs)}
+        vllm_only = {name: value for name, value in kwargs.items() if name not in own}
+        for note in check_keywords(vllm_only):
+            logger.info(note)
+        settings = {name: value for name, value in kwargs.items() if name in own}
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **settings))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -46,6 +46,7 @@ def probe_platform(device: str) -> PlatformInfo:
         device_type=resolved.type,
         native_bf16=native,
         default_kv_cache_bytes=default_kv_cache_bytes(resolved),
+        total_memory_bytes=total_memory_bytes(resolved),
     )
 
 
@@ -72,6 +73,20 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: a GPU's, or the host's RAM (MemTotal)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:

@@ -38,6 +38,8 @@ class EngineFacts:
     platform: PlatformInfo
     model_path: str
     model_config: ModelConfig
+    # Bytes of the model's weight files (what gpu_memory_utilization leaves the KV cache less).
+    weight_bytes: int = 0
 
 
 def bound_matmul_shape_caches() -> None:
@@ -50,7 +52,23 @@ def bound_matmul_shape_caches() -> None:
 def probe(args: EngineArgs) -> EngineFacts:
     """The machine and the model's config (headers only: no weights are read)."""
     model_path = resolve_model_path(args.model)
-    return EngineFacts(probe_platform(args.device), model_path, read_model_config(model_path))
+    return EngineFacts(
+        probe_platform(args.device),
+        model_path,
+        read_model_config(model_path),
+        weight_file_bytes(model_path),
+    )
+
+
+def weight_file_bytes(model_path: str) -> int:
+    """The bytes of a model's weights on disk: a GGUF file, or a folder's safetensors files."""
+    if os.path.isfile(model_path):
+        return os.path.getsize(model_path)
+    return sum(
+        entry.stat().st_size
+        for entry in os.scandir(model_path)
+        if entry.is_file() and entry.name.endswith(".safetensors")
+    )
 
 
 def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]:

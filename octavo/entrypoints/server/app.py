@@ -63,9 +63,25 @@ OPEN_PATHS = frozenset({"/health"})
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
-    # CORS is off unless origins are listed ("*" allows any).
+    # Every path but /health needs `Authorization: Bearer KEY` with one of these (vLLM's
+    # --api-key, which may be given several keys); a single string is one key.
+    api_key: str | tuple[str, ...] | None = None
+    # CORS is off unless origins are listed ("*" allows any); what it allows of them.
     allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # uvicorn's own settings (vLLM's flags of the same names).
+    uvicorn_log_level: str | None = None  # None: make_server's log_level
+    disable_uvicorn_access_log: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    ssl_ciphers: str | None = None
+    # FastAPI's /docs, /redoc and /openapi.json (served unless this is set, as vLLM does).
+    disable_fastapi_docs: bool = False
     # Larger bodies get 413 before they are parsed.
     max_request_body_bytes: int = 16 << 20
     # On SIGTERM, how long in-flight responses may run before they are ended.
@@ -102,9 +118,10 @@ class AuthMiddleware:
     Several Authorization headers are a 400 (which one counts would be up to the server);
     with an API key, every path but /health needs `Authorization: Bearer KEY`."""
 
-    def __init__(self, app: Any, api_key: str | None) -> None:
+    def __init__(self, app: Any, api_key: str | tuple[str, ...] | None) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.expected = [f"Bearer {key}".encode() for key in keys if key] or None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -122,7 +139,7 @@ class AuthMiddleware:
             self.expected is None
             or scope["path"] in OPEN_PATHS
             or scope["method"] == "OPTIONS"
-            or hmac.compare_digest(given[0] if given else b"", self.expected)
+            or any(hmac.compare_digest(given[0] if given else b"", key) for key in self.expected)
         ):
             await self.app(scope, receive, send)
             return
@@ -144,6 +161,7 @@ def build_app(
     context = ServingContext(
         async_engine=async_engine,
         model_name=engine_config.served_model_name,
+        model_names=engine_config.served_model_names or (engine_config.served_model_name,),
         max_model_len=engine_config.scheduler.max_model_len,
         vocab_size=engine.input_processor.vocab_size,
         max_request_body_bytes=config.max_request_body_bytes,
@@ -167,9 +185,10 @@ def build_app(
         title="octavo",
         version=octavo.__version__,
         lifespan=lifespan,
-        openapi_url=None,
-        docs_url=None,
-        redoc_url=None,
+        root_path=config.root_path,
+        openapi_url=None if config.disable_fastapi_docs else "/openapi.json",
+        docs_url=None if config.disable_fastapi_docs else "/docs",
+        redoc_url=None if config.disable_fastapi_docs else "/redoc",
     )
     app.state.async_engine = async_engine
     install_error_handlers(app)
@@ -178,9 +197,9 @@ def build_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-            allow_credentials=False,
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
         )
 
     @app.post("/v1/completions")
@@ -193,10 +212,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        card = ModelCard(
-            id=context.model_name, root=engine_config.model, max_model_len=context.max_model_len
-        )
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        cards = [
+            ModelCard(id=name, root=engine_config.model, max_model_len=context.max_model_len)
+            for name in context.model_names
+        ]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> JSONResponse:

@@ -62,7 +62,7 @@ _DERIVED_FIELDS = {"max_tokens", "logprobs", "logit_bias", "top_k", "structured_
 @dataclass(frozen=True)
 class ServingContext:
     async_engine: AsyncEngine
-    model_name: str
+    model_name: str  # the one responses report
     max_model_len: int
     vocab_size: int
     max_request_body_bytes: int
@@ -72,10 +72,12 @@ class ServingContext:
     body_read_timeout_s: float = 30.0
     # Output streams (prompts x n) one request may ask for.
     max_sequences: int = 256
+    # Every name a request may give in `model` (model_name's among them).
+    model_names: tuple[str, ...] = ()
 
 
 def check_model(context: ServingContext, model: str | None) -> None:
-    if model is not None and model != context.model_name:
+    if model is not None and model != context.model_name and model not in context.model_names:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 

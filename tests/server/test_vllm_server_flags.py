@@ -1,0 +1,109 @@
+"""The server settings of vLLM's flags, with their effect over HTTP: several API keys, several
+served model names, FastAPI's docs, the root path, CORS details, and the flags' parsing into
+ServerConfig."""
+
+from __future__ import annotations
+
+import httpx
+
+from octavo.entrypoints.cli import make_parser, server_config_from
+from octavo.entrypoints.server.app import ServerConfig
+
+from .mock_server import mock_server
+
+
+def test_any_of_several_api_keys_is_accepted():
+    with (
+        mock_server(ServerConfig(api_key=("first", "second"))) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        for key, status in (("first", 200), ("second", 200), ("third", 401), ("firs", 401)):
+            response = client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == status, key
+
+
+def test_several_served_model_names_are_listed_and_each_is_accepted():
+    with (
+        mock_server(served_model_names=("main", "alias")) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        models = client.get("/v1/models").json()["data"]
+        assert [card["id"] for card in models] == ["main", "alias"]
+        for name in ("main", "alias"):
+            body = {"model": name, "prompt": "a b", "max_tokens": 2}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == "main"
+        response = client.post("/v1/completions", json={"model": "other", "prompt": "a"})
+        assert response.status_code == 404
+        assert response.json()["error"]["param"] == "model"
+
+
+def test_fastapi_docs_are_served_unless_disabled():
+    for disabled, status in ((False, 200), (True, 404)):
+        config = ServerConfig(disable_fastapi_docs=disabled, root_path="/api")
+        with (
+            mock_server(config) as running,
+            httpx.Client(base_url=running.base_url, timeout=30) as client,
+        ):
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                assert client.get(path).status_code == status, path
+            if not disabled:
+                schema = client.get("/openapi.json").json()
+                assert "/v1/chat/completions" in schema["paths"]
+                assert schema["servers"] == [{"url": "/api"}]  # behind the proxy's prefix
+
+
+def test_cors_methods_headers_and_credentials():
+    config = ServerConfig(
+        allowed_origins=("https://app.example",),
+        allowed_methods=("GET", "POST"),
+        allowed_headers=("X-Custom",),
+        allow_credentials=True,
+    )
+    with (
+        mock_server(config) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        response = client.options(
+            "/v1/models",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "X-Custom",
+            },
+        )
+        assert response.status_code == 200
+        assert response.headers["access-control-allow-methods"] == "GET, POST"
+        assert "X-Custom" in response.headers["access-control-allow-headers"]
+        assert response.headers["access-control-allow-credentials"] == "true"
+
+
+def test_server_flags_parse_into_the_server_config():
+    ns = make_parser().parse_args(
+        [
+            "serve",
+            *("--api-key", "k1", "k2", "--allowed-origins", '["*"]'),
+            *(
+                "--allowed-methods",
+                '["GET"]',
+                "--allowed-headers",
+                "X-A,X-B",
+                "--allow-credentials",
+            ),
+            *("--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"),
+            *("--root-path", "/api", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"),
+            *("--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--disable-fastapi-docs"),
+        ]
+    )
+    config = server_config_from(ns)
+    assert config.api_key == ("k1", "k2")
+    assert (config.allowed_origins, config.allowed_methods) == (("*",), ("GET",))
+    assert config.allowed_headers == ("X-A", "X-B") and config.allow_credentials
+    assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
+    assert (config.root_path, config.ssl_keyfile, config.ssl_certfile) == ("/api", "k.pem", "c.pem")
+    assert (config.ssl_ca_certs, config.ssl_cert_reqs, config.disable_fastapi_docs) == (
+        "ca.pem",
+        2,
+        True,
+    )

@@ -1,0 +1,257 @@
+"""vLLM's launch surface: every flag of `vllm serve` (octavo/entrypoints/vllm_flags.json, from
+vLLM's own parser) parses, and is octavo's own flag or held to one disposition, with what the
+user is told; values parse as vLLM parses them; `LLM(...)` takes vLLM's keywords the same way."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pytest
+
+from octavo.config import EngineArgs, PlatformInfo, human_readable_int
+from octavo.entrypoints.cli import expand_config_file, main, make_parser
+from octavo.entrypoints.vllm_compat import (
+    DISPOSITIONS,
+    GROUP_DEFAULTS,
+    NO_EFFECT,
+    REFUSED,
+    VllmFlagRefused,
+    check_keywords,
+    check_namespace,
+    disposition,
+    vllm_flags,
+    vllm_version,
+)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    commands = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["serve"]
+
+
+def own_options() -> set[str]:
+    """octavo's own serve flags (not the ones vllm_compat adds)."""
+    return {
+        option
+        for action in serve_parser()._actions
+        if not action.dest.startswith("vllm_compat__")
+        for option in action.option_strings
+    }
+
+
+def sample_argv(flag: dict) -> list[str]:
+    """The flag given once, with a value of the kind it takes."""
+    option = flag["options"][0]
+    if flag["nargs"] == 0:
+        return [option]
+    own = next(
+        (a for a in serve_parser()._actions if option in a.option_strings and a.choices), None
+    )
+    choices = list(own.choices) if own is not None else flag["choices"]
+    value = str(choices[0]) if choices else "1"
+    return [option, value]
+
+
+def test_the_flag_list_is_vllms_own():
+    flags = vllm_flags()
+    assert vllm_version().startswith("0.32")
+    assert len(flags) > 300
+    names = {option for flag in flags for option in flag["options"]}
+    for option in ("--gpu-memory-utilization", "--tensor-parallel-size", "-tp", "--max-model-len"):
+        assert option in names
+
+
+def test_every_vllm_flag_is_ours_or_has_one_disposition():
+    own = own_options()
+    counts = {"octavo": 0, NO_EFFECT: 0, REFUSED: 0, "some values": 0}
+    for flag in vllm_flags():
+        is_own = any(option in own for option in flag["options"])
+        listed = DISPOSITIONS.get(flag["dest"])
+        if is_own:
+            assert listed is None, f"{flag['options'][0]} is octavo's own and listed as well"
+            counts["octavo"] += 1
+            continue
+        verdict = disposition(flag)
+        assert verdict is not None, f"{flag['options'][0]} ({flag['group']}) has no disposition"
+        assert verdict.reason
+        counts["some values" if verdict.accepts else verdict.kind] += 1
+    assert sum(counts.values()) == len(vllm_flags())
+    assert not set(DISPOSITIONS) - {flag["dest"] for flag in vllm_flags()}, "stale entries"
+    assert set(GROUP_DEFAULTS) <= {flag["group"] for flag in vllm_flags()}
+    # The README's table states these counts.
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for row, key in (
+        ("octavo's own, vLLM's meaning", "octavo"),
+        ("taken at the values octavo's behaviour has", "some values"),
+        ("no effect here", NO_EFFECT),
+        ("refused", REFUSED),
+    ):
+        assert f"| {row} | {counts[key]} |" in readme, (row, counts[key])
+
+
+@pytest.mark.parametrize("flag", vllm_flags(), ids=lambda f: f["options"][0])
+def test_each_vllm_flag_parses_and_says_what_it_does(flag):
+    """Never "unrecognized arguments": each flag parses with a value of its kind; a flag that
+    is not octavo's own either passes silently (a value octavo's behaviour has anyway), is
+    logged as having no effect with the reason, or is refused naming itself and the issue."""
+    argv = sample_argv(flag)
+    ns = serve_parser().parse_args(argv)
+    if any(option in own_options() for option in flag["options"]):
+        return
+    verdict = disposition(flag)
+    try:
+        notes = check_namespace(ns)
+    except VllmFlagRefused as exc:
+        assert verdict.kind == REFUSED
+        assert argv[0] in str(exc) and verdict.reason in str(exc)
+        return
+    if verdict.accepts is not None:
+        assert notes == []  # the sample value is one it takes
+    else:
+        assert verdict.kind == NO_EFFECT
+        assert notes == [f"{' '.join(argv)} has no effect here: {verdict.reason}"]
+
+
+def test_parallel_sizes_of_one_pass_and_more_are_refused_naming_the_issue():
+    assert check_namespace(serve_parser().parse_args(["-tp", "1", "-pp", "1", "-dp", "1"])) == []
+    with pytest.raises(VllmFlagRefused, match=r"--tensor-parallel-size 2: not supported.*26"):
+        check_namespace(serve_parser().parse_args(["--tensor-parallel-size", "2"]))
+    with pytest.raises(VllmFlagRefused, match="--no-enable-chunked-prefill: not supported"):
+        check_namespace(serve_parser().parse_args(["--no-enable-chunked-prefill"]))
+    assert check_namespace(serve_parser().parse_args(["--enable-chunked-prefill"])) == []
+    with pytest.raises(VllmFlagRefused, match="--scheduling-policy priority"):
+        check_namespace(serve_parser().parse_args(["--scheduling-policy", "priority"]))
+
+
+def test_refused_flags_stop_the_server_with_one_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--speculative-config", "{}", "--enable-lora"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speculative-config {}: not supported (issue 29" in err
+    assert "--enable-lora: not supported (LoRA adapters" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4096", 4096),
+        ("4k", 4000),
+        ("4K", 4096),
+        ("25.6k", 25600),
+        ("1G", 1 << 30),
+        ("2m", 2 * 10**6),
+    ],
+)
+def test_integers_parse_as_vllm_parses_them(text, value):
+    assert human_readable_int(text) == value
+
+
+def test_vllm_value_syntax_of_octavos_flags():
+    ns = serve_parser().parse_args(
+        [
+            *("--max-model-len", "4k", "--kv-cache-memory-bytes", "1G", "--dtype", "half"),
+            *("-q", "q8_0", "--api-key", "a", "b", "--served-model-name", "x", "y"),
+        ]
+    )
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.max_model_len, args.kv_cache_memory_bytes) == (4000, 1 << 30)
+    assert (args.dtype, args.quantization) == ("float16", "q8_0")
+    assert ns.api_key == ["a", "b"] and args.served_model_name == ["x", "y"]
+    assert (
+        EngineArgs.from_cli_args(
+            serve_parser().parse_args(["--max-model-len", "auto"])
+        ).max_model_len
+        is None
+    )
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--max-model-len", "1.5K"])  # no decimals with K
+
+
+def test_a_yaml_config_file_of_flags_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "port: 9000\nmax-model-len: 2k\napi-key: [a, b]\nenable-prefix-caching: false\n"
+        "tensor_parallel_size: 1\ntrust-remote-code: true\nhost: 0.0.0.0\n"
+    )
+    parser = make_parser()
+    argv = expand_config_file(["serve", "m.gguf", "--config", str(path), "--port", "8001"], parser)
+    assert argv[:2] == ["serve", "m.gguf"]
+    ns = parser.parse_args(argv)
+    assert (ns.model_tag, ns.port, ns.host, ns.max_model_len) == ("m.gguf", 8001, "0.0.0.0", 2000)
+    assert ns.api_key == ["a", "b"] and ns.enable_prefix_caching is False
+    assert check_namespace(ns) == [
+        f"--trust-remote-code has no effect here: {DISPOSITIONS['trust_remote_code'].reason}"
+    ]
+    with pytest.raises(ValueError, match="yaml"):
+        expand_config_file(["serve", "--config", str(tmp_path / "x.json")], parser)
+
+
+def test_llm_keywords_of_vllm_are_held_to_their_flags_dispositions(caplog):
+    with caplog.at_level(logging.INFO):
+        notes = check_keywords({"trust_remote_code": True, "tensor_parallel_size": 1})
+    assert notes == [
+        f"trust_remote_code has no effect here: {DISPOSITIONS['trust_remote_code'].reason}"
+    ]
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: not supported"):
+        check_keywords({"tensor_parallel_size": 2})
+    with pytest.raises(TypeError, match="no_such_keyword"):
+        check_keywords({"no_such_keyword": 1})
+
+
+@pytest.fixture
+def tiny_model_config():
+    from octavo.model.config import ModelConfig
+
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        attention_out_bias=False,
+        mlp_bias=False,
+        qk_norm="",
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+
+
+def _platform(total: int) -> PlatformInfo:
+    return PlatformInfo("cpu", "cpu", "", default_kv_cache_bytes=1 << 30, total_memory_bytes=total)
+
+
+def test_gpu_memory_utilization_gives_the_kv_cache_its_share_less_the_weights(tiny_model_config):
+    total, weights = 8 << 30, 1 << 30
+    config = EngineArgs(gpu_memory_utilization=0.5, block_size=16).create_engine_config(
+        _platform(total), tiny_model_config, "m", weight_bytes=weights
+    )
+    block_bytes = config.cache.bytes_per_token * 16
+    assert config.cache.num_blocks == (total // 2 - weights) // block_bytes
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.1"):
+        EngineArgs(gpu_memory_utilization=0.1).create_engine_config(
+            _platform(total), tiny_model_config, "m", weight_bytes=weights
+        )
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        EngineArgs(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(gpu_memory_utilization=0.5, kv_cache_tokens=1024)
+
+
+def test_several_served_model_names(tiny_model_config):
+    config = EngineArgs(
+        served_model_name=["a", "b", "a"], kv_cache_tokens=1024
+    ).create_engine_config(_platform(8 << 30), tiny_model_config, "m")
+    assert (config.served_model_name, config.served_model_names) == ("a", ("a", "b"))
