@@ -246,7 +246,18 @@ class EngineArgs:
     """User-facing settings with vLLM's names. None means "decide from the model/machine"."""
 
     model: str | None = setting(
-        None, "HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+        None,
+        "HF folder, .gguf file, or Hugging Face Hub id org/name (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    revision: str | None = setting(
+        None,
+        "the branch, tag or commit of a Hugging Face Hub model id (default: main)",
+    )
+    download_dir: str | None = setting(
+        None,
+        "where Hub models are cached (default: huggingface_hub's cache, HF_HOME / HF_HUB_CACHE)",
+        metavar="DIR",
     )
     served_model_name: str | list[str] | None = setting(
         None,

@@ -209,7 +209,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "hf_config_path": _refused("a config.json from elsewhere than the model: " + DROP_IN),
     "allowed_local_media_path": _no(TEXT_ONLY),
     "allowed_media_domains": _no(TEXT_ONLY),
-    "revision": _refused("Hugging Face Hub ids and revisions: " + DROP_IN),
     "code_revision": _no("octavo runs no code from a checkpoint"),
     "tokenizer_revision": _refused("Hugging Face Hub ids and revisions: " + DROP_IN),
     "quantization_config": _refused("octavo quantizes with --quantization TYPE (GGML block types)"),
@@ -257,7 +256,6 @@ DISPOSITIONS: dict[str, Disposition] = {
         + DROP_IN
         + ")",
     ),
-    "download_dir": _refused("Hugging Face Hub downloads: " + DROP_IN),
     "safetensors_load_strategy": _no("octavo maps safetensors files and copies what it keeps"),
     "safetensors_prefetch_num_threads": _no("octavo maps safetensors files, no prefetch"),
     "safetensors_prefetch_block_size": _no("octavo maps safetensors files, no prefetch"),

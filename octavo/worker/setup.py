@@ -51,7 +51,7 @@ def bound_matmul_shape_caches() -> None:
 
 def probe(args: EngineArgs) -> EngineFacts:
     """The machine and the model's config (headers only: no weights are read)."""
-    model_path = resolve_model_path(args.model)
+    model_path = resolve_model_path(args.model, args.revision, args.download_dir)
     return EngineFacts(
         probe_platform(args.device),
         model_path,

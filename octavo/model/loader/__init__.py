@@ -30,6 +30,7 @@ from octavo.model.loader.gguf import (
     open_gguf_checkpoint,
     read_gguf_chat_template,
 )
+from octavo.model.loader.hub import looks_like_repo_id, snapshot_folder
 from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import open_hf_checkpoint
 
@@ -47,9 +48,15 @@ __all__ = [
 ]
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> str:
     """None means the embedded default; a folder holding exactly one .gguf (and no
-    config.json) means that file."""
+    config.json) means that file; `org/name` that is no local path, a Hugging Face Hub
+    repository's snapshot at `revision` (hub.py: from the cache in download_dir or
+    huggingface_hub's, or downloaded)."""
+    if model is not None and looks_like_repo_id(model):
+        return snapshot_folder(model, revision, download_dir)
     path = find_default_model() if model is None else os.path.expanduser(model)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
