@@ -107,3 +107,29 @@ def test_server_flags_parse_into_the_server_config():
         2,
         True,
     )
+
+
+def test_the_chat_role_chunk_goes_out_with_the_first_token(monkeypatch):
+    """A client's time to the first chat chunk is its time to the first token (vLLM sends the
+    role delta then), not the moment the request is accepted: with the mock model taking 0.3 s
+    a step, the role chunk and the first token's chunk arrive together, not a step apart."""
+    import json
+    import time
+
+    from .mock_server import SlowMockRunner
+
+    monkeypatch.setattr(SlowMockRunner, "step_s", 0.3)
+    with (
+        mock_server(slow=True) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        body = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3, "stream": True}
+        arrivals = []
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((time.monotonic(), json.loads(line[len("data: ") :])))
+        (role_at, role), (token_at, token) = arrivals[:2]
+        assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert token["choices"][0]["delta"].get("content")
+        assert token_at - role_at < 0.15

@@ -214,11 +214,17 @@ class _Run:
         options = self.request.stream_options
         include_usage = options is not None and options.include_usage
         exclude = None if include_usage else {"usage"}
+        opened = False
         try:
-            for index in range(self.request.n):
-                role = DeltaMessage(role="assistant", content="")
-                yield sse(self._chunk(ChatStreamChoice(index=index, delta=role)), exclude)
             async for completion in self._outputs():
+                if not opened:
+                    # Each choice's role delta goes out with the first output (the first token),
+                    # as vLLM sends it, so that a client's time to first chunk is the time to
+                    # the first token.
+                    opened = True
+                    for index in range(self.request.n):
+                        role = DeltaMessage(role="assistant", content="")
+                        yield sse(self._chunk(ChatStreamChoice(index=index, delta=role)), exclude)
                 entries = self._add(completion)
                 choice = self.choices[completion.index]
                 delta = _stream_delta(choice, completion)
