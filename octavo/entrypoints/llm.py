@@ -49,6 +49,15 @@ class LLM:
         llm.llm_engine = LLMEngine.from_engine_args(args)
         return llm
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's method)."""
+        return self.llm_engine.default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (those no running request holds); False if some
+        are still held."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

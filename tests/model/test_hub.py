@@ -70,3 +70,6 @@ def test_llm_serves_a_hub_id_as_its_folder(hub_cache, tmp_path):
     expected = from_folder.generate([prompt], params)[0].outputs[0].token_ids
     assert from_hub.generate([prompt], params)[0].outputs[0].token_ids == expected
     assert from_hub.llm_engine.config.served_model_name == "org/tiny"
+    # vLLM's LLM methods: the model's generation defaults, and the prefix cache emptied.
+    assert from_hub.get_default_sampling_params() == from_hub.llm_engine.default_sampling_params()
+    assert from_hub.reset_prefix_cache() is True

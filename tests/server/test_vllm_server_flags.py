@@ -133,3 +133,29 @@ def test_the_chat_role_chunk_goes_out_with_the_first_token(monkeypatch):
         assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert token["choices"][0]["delta"].get("content")
         assert token_at - role_at < 0.15
+
+
+def test_sagemaker_routes_and_lora_routes():
+    with (
+        mock_server(ServerConfig(api_key="k")) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        assert client.get("/ping").status_code == 200  # no key needed, as /health
+        assert client.post("/ping").status_code == 200
+        auth = {"Authorization": "Bearer k"}
+        chat = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}
+        response = client.post("/invocations", json=chat, headers=auth)
+        assert response.status_code == 200 and response.json()["object"] == "chat.completion"
+        completion = {"prompt": "a b", "max_tokens": 2}
+        response = client.post("/invocations", json=completion, headers=auth)
+        assert response.status_code == 200 and response.json()["object"] == "text_completion"
+        response = client.post("/invocations", json={"input": "x"}, headers=auth)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        bad = {"messages": [{"role": "user", "content": "a"}], "max_tokens": -1}
+        response = client.post("/invocations", json=bad, headers=auth)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        streamed = client.post("/invocations", json={**completion, "stream": True}, headers=auth)
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            response = client.post(path, json={"lora_name": "x", "lora_path": "y"}, headers=auth)
+            assert response.status_code == 404 and "LoRA" in response.json()["error"]["message"]

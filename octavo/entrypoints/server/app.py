@@ -56,7 +56,7 @@ from octavo.metrics.prometheus import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 # Paths a client may call without the API key.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,35 @@ def build_app(
             raise OpenAIError(503, f"The engine is not running: {async_engine.dead_reason}")
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check."""
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's one endpoint: a chat completion for a body with `messages`, else a
+        completion for one with `prompt`."""
+        body = await read_body(
+            raw_request, config.max_request_body_bytes, config.body_read_timeout_s
+        )
+        fields = _top_level_keys(body)
+        replay = _replayed(raw_request, body)
+        if "messages" in fields:
+            return await chat.create(replay)
+        if "prompt" in fields:
+            return await completions.create(replay)
+        raise bad_request(
+            "/invocations takes a chat body (messages) or a completion body (prompt).", "messages"
+        )
+
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def lora_adapters() -> Response:
+        raise OpenAIError(
+            404, "This server serves no LoRA adapters: octavo does not implement them."
+        )
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": octavo.__version__})
@@ -285,6 +314,33 @@ def build_app(
             return JSONResponse({"success": bool(reset)})
 
     return app
+
+
+def _top_level_keys(body: bytes) -> set[str]:
+    """The keys of a JSON object body (nothing for anything else: the endpoint it goes to
+    reports what is wrong with it)."""
+    import json
+
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return set()
+    return set(value) if isinstance(value, dict) else set()
+
+
+def _replayed(raw_request: Request, body: bytes) -> Request:
+    """`raw_request` whose body, already read, is given again to the endpoint that reads it;
+    what the client sends after it (a disconnect) still reaches that endpoint."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await raw_request.receive()
+
+    return Request(raw_request.scope, receive)
 
 
 def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> FastAPI:
