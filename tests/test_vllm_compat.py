@@ -203,30 +203,9 @@ def test_llm_keywords_of_vllm_are_held_to_their_flags_dispositions(caplog):
 
 @pytest.fixture
 def tiny_model_config():
-    from octavo.model.config import ModelConfig
+    from tests.model.tiny import tiny_model_config
 
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        attention_out_bias=False,
-        mlp_bias=False,
-        qk_norm="",
-        hidden_act="silu",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
+    return tiny_model_config()
 
 
 def _platform(total: int) -> PlatformInfo:

@@ -26,7 +26,14 @@ from octavo.model.cpu.fused import MoeFeedForward
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.model.loader import find_default_model
 
-from .tiny import ATTENTION_BACKENDS, PagedHarness, hf_logits, load, save_tiny_checkpoint
+from .tiny import (
+    ATTENTION_BACKENDS,
+    PagedHarness,
+    hf_logits,
+    load,
+    save_tiny_checkpoint,
+    tiny_model_config,
+)
 
 ATOL = RTOL = 1e-4
 
@@ -362,29 +369,7 @@ def test_float32_compute_over_bfloat16_weights_matches_the_rounded_model(tmp_pat
 
 
 def _config(**overrides) -> ModelConfig:
-    fields = dict(
-        architecture="LlamaForCausalLM",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        attention_out_bias=False,
-        mlp_bias=False,
-        qk_norm="",
-        hidden_act="silu",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    return ModelConfig(**{**fields, **overrides})
+    return tiny_model_config(**overrides)
 
 
 def test_kv_cache_layout_and_size():

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from octavo.config import BackendConfig
 from octavo.model.attention.metadata import AttentionMetadata
 from octavo.model.backends import ModelBackend, select_backend
+from octavo.model.config import ModelConfig
 from octavo.model.formats.ggml import QuantizedTensor
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.model.loader import load_model
@@ -453,3 +454,24 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tiny_model_config(**overrides: object) -> ModelConfig:
+    """The ModelConfig of a tiny Llama (TINY_SHAPE, head_dim 16), as a loader would read it."""
+    fields = dict(
+        architecture="LlamaForCausalLM",
+        **TINY_SHAPE,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        attention_out_bias=False,
+        mlp_bias=False,
+        qk_norm="",
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    return ModelConfig(**{**fields, **overrides})
