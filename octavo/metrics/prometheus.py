@@ -1,10 +1,11 @@
 """Prometheus exposition of engine stats, with vLLM's metric names, types and labels.
 
 Owns one CollectorRegistry per logger (so several engines or test servers in one process do
-not collide) and the metric objects in it. Stats come in as snapshot dataclasses from
-`metrics.stats`; Prometheus text goes out. Every series carries the label `model_name`
-(`vllm:request_success` adds `finished_reason`); never a per-request label. Metrics vLLM does
-not have are named `octavo:*`.
+not collide) and the metric objects in it, the process's own collectors (`process_*`,
+`python_*`) included. Stats come in as snapshot dataclasses from `metrics.stats`; Prometheus
+text goes out. Every series carries vLLM's labels `model_name` and `engine` (the engine's index,
+"0" for one engine; `vllm:request_success` adds `finished_reason`); never a per-request label.
+Metrics vLLM does not have are named `octavo:*`.
 
 Must not: import the engine or the server, or compute stats itself (callers hand them over).
 `record` runs on the engine thread and `render` on the server's event loop: prometheus_client
@@ -15,17 +16,21 @@ from __future__ import annotations
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 
 from octavo.core.request import FinishReason
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
-LABEL_NAMES = ["model_name"]
+LABEL_NAMES = ["model_name", "engine"]
 FINISH_REASONS = tuple(FinishReason)
 
 # vLLM's buckets, so that dashboards built on its quantiles read the same.
@@ -97,6 +102,9 @@ REQUEST_LATENCY_BUCKETS_S = [
     1920.0,
     7680.0,
 ]
+# vLLM's buckets of the number of times a request was preempted.
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
+
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
     0.01,
@@ -159,9 +167,18 @@ class PrometheusStatLogger:
         registry: CollectorRegistry | None = None,
         max_model_len: int = 32768,
         max_num_batched_tokens: int = 8192,
+        cache_info: dict[str, str] | None = None,
+        engine: str = "0",
     ) -> None:
+        """cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
+        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...)."""
         self.registry = registry or CollectorRegistry()
-        labels = {"model_name": model_name}
+        if registry is None:  # a registry of its own: the process's collectors join it
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            if GC_COLLECTOR is not None:
+                GCCollector(registry=self.registry)
+        labels = {"model_name": model_name, "engine": engine}
 
         def gauge(name: str, documentation: str) -> Gauge:
             return Gauge(name, documentation, LABEL_NAMES, registry=self.registry).labels(**labels)
@@ -209,8 +226,7 @@ class PrometheusStatLogger:
         )
         # Every reason is exported from the start, at 0, as vLLM does.
         self.request_success = {
-            reason: success.labels(model_name=model_name, finished_reason=reason)
-            for reason in FINISH_REASONS
+            reason: success.labels(**labels, finished_reason=reason) for reason in FINISH_REASONS
         }
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
@@ -247,6 +263,21 @@ class PrometheusStatLogger:
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS_S,
         )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS_S,
+        )
+        self.request_num_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
+        )
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens",
@@ -258,6 +289,20 @@ class PrometheusStatLogger:
             "Number of generation tokens processed.",
             token_buckets,
         )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        if cache_info is not None:
+            # An info metric as vLLM exports it: a gauge at 1 whose labels are the settings.
+            info = {**{k: str(v) for k, v in cache_info.items()}, "engine": engine}
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(info),
+                registry=self.registry,
+            ).labels(**info).set(1)
         # Evictions, which no other engine shows.
         self.request_max_token_gap = histogram(
             "octavo:request_max_token_gap_seconds",
@@ -323,9 +368,16 @@ class PrometheusStatLogger:
         self.request_queue_time.observe(finished.queue_time_s)
         self.request_prompt_tokens.observe(finished.num_prompt_tokens)
         self.request_generation_tokens.observe(finished.num_generation_tokens)
+        self.request_params_max_tokens.observe(finished.max_tokens)
+        self.request_num_preemptions.observe(finished.num_evictions)
         if finished.ttft_s is not None:
             self.request_prefill_time.observe(finished.prefill_time_s)
             self.request_decode_time.observe(finished.decode_time_s)
+            self.request_inference_time.observe(finished.prefill_time_s + finished.decode_time_s)
+        if finished.num_generation_tokens > 1:
+            self.request_time_per_output_token.observe(
+                finished.decode_time_s / (finished.num_generation_tokens - 1)
+            )
         if finished.num_generation_tokens >= 2:
             self.request_max_token_gap.observe(finished.max_token_gap_s)
 

@@ -16,7 +16,7 @@ from octavo.metrics.prometheus import (
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
-MODEL = {"model_name": "m"}
+MODEL = {"model_name": "m", "engine": "0"}
 
 # name as exposed -> Prometheus type
 EXPECTED_TYPES = {
@@ -38,6 +38,13 @@ EXPECTED_TYPES = {
     "vllm:request_decode_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_num_preemptions": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:cache_config_info": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "python_info": "gauge",
     "octavo:request_max_token_gap_seconds": "histogram",
     "octavo:num_requests_evicted_total": "counter",
     "octavo:eviction_freeze_seconds": "histogram",
@@ -64,13 +71,16 @@ def finished(request_id: str, reason: str, num_generation_tokens: int, **overrid
 
 
 def test_every_metric_has_vllm_type_and_labels() -> None:
-    text = PrometheusStatLogger("m").render().decode()
+    cache = {"block_size": 16, "num_gpu_blocks": 64, "cache_dtype": "bfloat16"}
+    text = PrometheusStatLogger("m", cache_info=cache).render().decode()
     types = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
     for name, kind in EXPECTED_TYPES.items():
         assert types.get(name) == kind, name
     for reason in ("stop", "length", "abort"):
-        series = f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}}'
-        assert f"{series} 0.0" in text
+        labels = f'engine="0",finished_reason="{reason}",model_name="m"'
+        assert f"vllm:request_success_total{{{labels}}} 0.0" in text
+    info = 'block_size="16",cache_dtype="bfloat16",engine="0",num_gpu_blocks="64"'
+    assert f"vllm:cache_config_info{{{info}}} 1.0" in text
 
 
 def test_record_turns_stats_into_increments() -> None:
@@ -137,6 +147,13 @@ def test_record_turns_stats_into_increments() -> None:
     assert value("vllm:request_generation_tokens_bucket", {**MODEL, "le": "5.0"}) == 3
     # A gap needs two tokens: only "a".
     assert value("octavo:request_max_token_gap_seconds_count", MODEL) == 1
+    # Running time (prefill + decode) for requests with a token; time per output token
+    # (decode time over the tokens after the first) for those with two or more: "a", 1.0 / 4.
+    assert value("vllm:request_inference_time_seconds_sum", MODEL) == 3.0
+    assert value("vllm:request_time_per_output_token_seconds_sum", MODEL) == 0.25
+    assert value("vllm:request_params_max_tokens_sum", MODEL) == 48
+    assert value("vllm:request_num_preemptions_sum", MODEL) == 1
+    assert value("vllm:request_num_preemptions_bucket", {**MODEL, "le": "1.0"}) == 3
 
 
 def test_buckets() -> None:

@@ -376,7 +376,7 @@ def test_metrics_count_tokens_with_vllm_names(server, http) -> None:
                 values[name] = float(value)
         return values
 
-    label = '{model_name="SmolLM2-135M-Instruct"}'
+    label = '{engine="0",model_name="SmolLM2-135M-Instruct"}'
     server.wait_idle()
     before = scrape()
     body = {"model": MODEL, "prompt": "One two three", "max_tokens": 5, "ignore_eos": True}
@@ -397,3 +397,8 @@ def test_metrics_count_tokens_with_vllm_names(server, http) -> None:
     types = [line for line in http.get("/metrics").text.splitlines() if line.startswith("# TYPE")]
     assert "# TYPE vllm:num_requests_running gauge" in types
     assert "# TYPE vllm:prompt_tokens_total counter" in types
+    # vLLM's HTTP series from the instrumentator, and the process's collectors.
+    text = http.get("/metrics").text
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"}' in text
+    assert "# TYPE http_request_duration_seconds histogram" in text
+    assert "process_resident_memory_bytes" in text

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_fastapi_instrumentator import Instrumentator
 
 import octavo
 from octavo.config import EngineArgs
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # Paths a client may call without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping"})
+# Paths the HTTP metrics leave out (as vLLM's): scrapes and health checks.
+UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version")
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,11 @@ def build_app(
         redoc_url=None if config.disable_fastapi_docs else "/redoc",
     )
     app.state.async_engine = async_engine
+    # vLLM's HTTP series (http_requests_total, http_request_duration_seconds, ...), by the
+    # instrumentator vLLM uses, in the registry /metrics renders.
+    Instrumentator(
+        excluded_handlers=list(UNMETERED_PATHS), registry=stat_logger.registry
+    ).add().instrument(app)
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, api_key=config.api_key or None)
     if config.allowed_origins:
@@ -350,10 +358,18 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     engine = async_engine.engine
     engine_config = engine.config
+    cache = engine_config.cache
     stat_logger = PrometheusStatLogger(
         engine_config.served_model_name,
         max_model_len=engine_config.scheduler.max_model_len,
         max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
+        cache_info={
+            "block_size": cache.block_size,
+            "num_gpu_blocks": cache.num_blocks,
+            "cache_dtype": cache.dtype,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "sliding_window": cache.sliding_window,
+        },
     )
     engine.add_stat_logger(stat_logger)
     return build_app(async_engine, config, stat_logger)
