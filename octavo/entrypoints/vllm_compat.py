@@ -251,10 +251,9 @@ DISPOSITIONS: dict[str, Disposition] = {
     ),
     # --- loading
     "load_format": _only(
-        _is_in("auto", "safetensors", "gguf"),
-        "octavo loads safetensors folders and GGUF files only (`.bin` checkpoints: "
-        + DROP_IN
-        + ")",
+        _is_in("auto", "safetensors", "pt", "gguf"),
+        "octavo loads safetensors or PyTorch .bin folders and GGUF files (auto picks by what "
+        "the path holds)",
     ),
     "safetensors_load_strategy": _no("octavo maps safetensors files and copies what it keeps"),
     "safetensors_prefetch_num_threads": _no("octavo maps safetensors files, no prefetch"),

@@ -61,13 +61,13 @@ def probe(args: EngineArgs) -> EngineFacts:
 
 
 def weight_file_bytes(model_path: str) -> int:
-    """The bytes of a model's weights on disk: a GGUF file, or a folder's safetensors files."""
+    """The bytes of a model's weights on disk: a GGUF file, or a folder's weight files."""
     if os.path.isfile(model_path):
         return os.path.getsize(model_path)
     return sum(
         entry.stat().st_size
         for entry in os.scandir(model_path)
-        if entry.is_file() and entry.name.endswith(".safetensors")
+        if entry.is_file() and entry.name.endswith((".safetensors", ".bin"))
     )
 
 

@@ -301,6 +301,31 @@ def test_sharded_checkpoint_loads(tmp_path):
     _assert_matches(_harness(tmp_path).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_pytorch_bin_checkpoint_loads(tmp_path, sharded):
+    """A folder of PyTorch .bin weights (one file, or two shards with
+    pytorch_model.bin.index.json) and no safetensors loads through torch's safe loading, and
+    matches transformers."""
+    import json
+
+    hf_model = save_tiny_checkpoint(tmp_path, "llama", seed=5)
+    for file in tmp_path.glob("*.safetensors"):
+        file.unlink()  # the same weights as .bin only
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    if sharded:
+        names = sorted(state)
+        shards = {"pytorch_model-1.bin": names[::2], "pytorch_model-2.bin": names[1::2]}
+        for file, shard in shards.items():
+            torch.save({name: state[name] for name in shard}, tmp_path / file)
+        weight_map = {name: file for file, shard in shards.items() for name in shard}
+        index = tmp_path / "pytorch_model.bin.index.json"
+        index.write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    token_ids = _tokens(9, seed=8)
+    _assert_matches(_harness(tmp_path).step({"r": token_ids})["r"], hf_logits(hf_model, token_ids))
+
+
 def test_bfloat16_model_stays_close_to_float32(tmp_path):
     hf_model = save_tiny_checkpoint(tmp_path, "llama", seed=6)
     token_ids = _tokens(10, seed=9)

@@ -1,7 +1,10 @@
-"""Hugging Face folders: config.json (+ generation_config.json) and *.safetensors weights.
+"""Hugging Face folders: config.json (+ generation_config.json) and *.safetensors weights, or
+PyTorch's *.bin ones where a folder has no safetensors.
 
 Owns reading the config files into a ModelConfig and streaming (name, tensor) pairs out of the
-safetensors files, single or sharded (model.safetensors.index.json). Every file is opened once
+weight files, single or sharded (model.safetensors.index.json, pytorch_model.bin.index.json);
+.bin files are read by torch's safe loading (weights_only: tensors only, no code runs) with the
+file mapped, not copied. Every file is opened once
 up front so that a truncated or corrupt one fails before the model is built. Must not know model
 classes or parameter layouts: names go out as stored, with the substitutions an architecture's
 spec lists (ArchSpec.hf_renames) applied.
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
@@ -22,6 +26,7 @@ from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
 
 _INDEX_FILE = "model.safetensors.index.json"
+_BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
@@ -65,8 +70,11 @@ def _renamed(
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a folder: the shards an index lists, else every *.safetensors."""
+    """The weight files of a folder: the shards an index lists, else every *.safetensors, else
+    every PyTorch *.bin (the same order for those)."""
     index_path = folder / _INDEX_FILE
+    if not index_path.is_file() and not any(folder.glob("*.safetensors")):
+        index_path = folder / _BIN_INDEX_FILE
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -76,15 +84,30 @@ def weight_files(folder: Path) -> list[Path]:
             if not file.is_file():
                 raise ModelLoadError(f"{index_path} lists shard {file.name!r}, which is missing.")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     if not files:
-        raise ModelLoadError(
-            f"{folder}: no .safetensors files (PyTorch .bin checkpoints are not supported)."
-        )
+        raise ModelLoadError(f"{folder}: no .safetensors or PyTorch .bin weight files.")
     return files
 
 
+def _load_bin(file: Path) -> dict[str, Tensor]:
+    """A PyTorch .bin state dict, tensors only (weights_only: no pickled code runs), mapped."""
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be mapped: read it whole
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises pickle, zip and runtime errors alike
+        raise ModelLoadError(f"{file}: cannot read a PyTorch state dict ({exc}).") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{file}: not a state dict of tensors.")
+    return state
+
+
 def _check_header(file: Path) -> None:
+    if file.suffix == ".bin":
+        _load_bin(file)
+        return
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             handle.keys()
@@ -94,6 +117,9 @@ def _check_header(file: Path) -> None:
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
     for file in files:
+        if file.suffix == ".bin":
+            yield from _load_bin(file).items()
+            continue
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
