@@ -163,8 +163,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def _string_list(text: str | None, default: tuple[str, ...] = ()) -> tuple[str, ...]:
     """A JSON list or comma-separated values (vLLM's CORS flags take JSON lists)."""
-    import json
-
     if not text:
         return default
     text = text.strip()

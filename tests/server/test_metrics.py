@@ -113,7 +113,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 50) -> None:
 
 
 def series(name: str, **labels: str) -> str:
-    labels = {**labels, "model_name": MODEL}
+    labels = {**labels, "model_name": MODEL, "engine": "0"}
     inner = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
     return f"{name}{{{inner}}}"
 
@@ -266,7 +266,7 @@ def test_server_metrics_after_a_streamed_request(server, http) -> None:
         return values, types
 
     def key(name: str, **labels: str) -> str:
-        labels = {**labels, "model_name": SERVER_MODEL}
+        labels = {**labels, "model_name": SERVER_MODEL, "engine": "0"}
         return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
     server.wait_idle()

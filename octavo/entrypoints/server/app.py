@@ -289,7 +289,7 @@ def build_app(
         body = await read_body(
             raw_request, config.max_request_body_bytes, config.body_read_timeout_s
         )
-        fields = _top_level_keys(body)
+        fields = await prepare(context, _top_level_keys, body)  # off the event loop
         replay = _replayed(raw_request, body)
         if "messages" in fields:
             return await chat.create(replay)
