@@ -40,6 +40,8 @@ QUANTIZATIONS = (
 )
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# vLLM's cap on the logprobs a request may ask for per position.
+DEFAULT_MAX_LOGPROBS = 20
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
 # running stream for seconds. With a cap per prompt and step, the prompts that arrive together
@@ -162,6 +164,8 @@ class EngineConfig:
     backend_choices: dict[str, Any] = field(default_factory=dict)
     # Every name clients may give in `model` (served_model_name is the first, the one reported).
     served_model_names: tuple[str, ...] = ()
+    # Most logprobs a request may ask for per position; -1: the vocabulary.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -327,6 +331,10 @@ class EngineArgs:
         "sees go back to the pool)",
     )
     seed: int = setting(0, "seed of the engine's random state")
+    max_logprobs: int = setting(
+        DEFAULT_MAX_LOGPROBS,
+        "most logprobs (top_logprobs) a request may ask for per position; -1: the vocabulary",
+    )
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
     admission: str = setting(
         "current",
@@ -415,6 +423,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.packed_max_rows is not None and self.packed_max_rows < 0:
             raise ValueError(f"packed_max_rows must be >= 0, got {self.packed_max_rows}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
@@ -527,6 +537,7 @@ class EngineArgs:
             model=model_path,
             served_model_name=names[0],
             served_model_names=tuple(names),
+            max_logprobs=self.max_logprobs,
             dtype=dtype,
             dtype_reason=dtype_reason,
             weight_dtype=weight_dtype,

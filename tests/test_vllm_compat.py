@@ -189,6 +189,27 @@ def test_a_yaml_config_file_of_flags_and_the_command_line_wins(tmp_path):
         expand_config_file(["serve", "--config", str(tmp_path / "x.json")], parser)
 
 
+def test_max_logprobs_parses_and_bounds_the_offline_api():
+    from octavo.core.sampling_params import SamplingParams
+    from octavo.engine.input_processor import InputProcessor
+
+    assert EngineArgs.from_cli_args(serve_parser().parse_args([])).max_logprobs == 20
+    assert (
+        EngineArgs.from_cli_args(serve_parser().parse_args(["--max-logprobs", "-1"])).max_logprobs
+        == -1
+    )
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineArgs(max_logprobs=-2)
+    from tests.mock_engine import word_tokenizer
+
+    processor = InputProcessor(word_tokenizer(), 64, 30, (2,), max_logprobs=5)
+    processor.resolve_params(SamplingParams(logprobs=5), 4)
+    with pytest.raises(ValueError, match="logprobs=6 is more than max_logprobs=5"):
+        processor.resolve_params(SamplingParams(logprobs=6), 4)
+    uncapped = InputProcessor(word_tokenizer(), 64, 30, (2,), max_logprobs=-1)
+    uncapped.resolve_params(SamplingParams(logprobs=30), 4)  # the whole vocabulary
+
+
 def test_llm_keywords_of_vllm_are_held_to_their_flags_dispositions(caplog):
     with caplog.at_level(logging.INFO):
         notes = check_keywords({"trust_remote_code": True, "tensor_parallel_size": 1})

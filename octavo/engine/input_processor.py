@@ -36,9 +36,12 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         structured_output: StructuredOutputManager | None = None,
+        max_logprobs: int = -1,
     ) -> None:
-        """Without `structured_output`, requests with a constraint are refused."""
+        """Without `structured_output`, requests with a constraint are refused. max_logprobs:
+        the most logprobs a request may ask for per position (-1: the vocabulary)."""
         self.tokenizer = tokenizer
+        self.max_logprobs = vocab_size if max_logprobs < 0 else max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -175,6 +178,11 @@ class InputProcessor:
             raise ValueError(
                 f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
                 f"exceeds max_model_len={self.max_model_len}; at most {room} can be generated."
+            )
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
+                "(--max-logprobs) allows."
             )
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]

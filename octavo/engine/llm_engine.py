@@ -71,6 +71,7 @@ class LLMEngine:
             model_runner.vocab_size,
             eos_token_ids,
             self.structured_output,
+            config.max_logprobs,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()

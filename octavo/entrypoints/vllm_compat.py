@@ -216,7 +216,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "enforce_eager": _no("octavo has no CUDA graphs or compiled graphs: it always runs eagerly"),
     "enable_return_routed_experts": _refused("returning routed experts: " + NOT_PLANNED),
     "return_sampling_mask": _refused("returning the sampling mask: " + NOT_PLANNED),
-    "max_logprobs": _refused("a cap on requested logprobs other than the vocabulary: " + DROP_IN),
     "logprobs_mode": _only(
         _is_in("raw_logprobs"),
         "logprobs are those of the distribution sampled from (raw_logprobs): " + DROP_IN,

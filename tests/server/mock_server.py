@@ -44,18 +44,20 @@ class MockServer:
 
 @contextmanager
 def mock_server(
-    config: ServerConfig | None = None, slow: bool = False, served_model_names: tuple[str, ...] = ()
+    config: ServerConfig | None = None,
+    slow: bool = False,
+    served_model_names: tuple[str, ...] = (),
+    **engine_config: object,
 ) -> Iterator[MockServer]:
     """A running server over a fresh mock engine (max_model_len 128; named "mock", or each of
-    `served_model_names`); stopped on exit."""
+    `served_model_names`; other EngineConfig fields from `engine_config`); stopped on exit."""
     llm = mock_llm(max_model_len=128)
     engine = llm.llm_engine
     if served_model_names:
-        engine.config = replace(
-            engine.config,
-            served_model_name=served_model_names[0],
-            served_model_names=served_model_names,
+        engine_config.update(
+            served_model_name=served_model_names[0], served_model_names=served_model_names
         )
+    engine.config = replace(engine.config, **engine_config)
     if slow:
         engine.model_runner.__class__ = SlowMockRunner
     config = replace(config or ServerConfig(), host="127.0.0.1", port=free_port())

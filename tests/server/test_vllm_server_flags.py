@@ -159,3 +159,19 @@ def test_sagemaker_routes_and_lora_routes():
         for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             response = client.post(path, json={"lora_name": "x", "lora_path": "y"}, headers=auth)
             assert response.status_code == 404 and "LoRA" in response.json()["error"]["message"]
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_for():
+    with (
+        mock_server(max_logprobs=2) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        body = {"prompt": "a b", "max_tokens": 2}
+        assert client.post("/v1/completions", json={**body, "logprobs": 2}).status_code == 200
+        response = client.post("/v1/completions", json={**body, "logprobs": 3})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "logprobs" and "--max-logprobs" in error["message"]
+        chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 3}
+        response = client.post("/v1/chat/completions", json=chat)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"

@@ -165,6 +165,7 @@ def build_app(
         async_engine=async_engine,
         model_name=engine_config.served_model_name,
         model_names=engine_config.served_model_names or (engine_config.served_model_name,),
+        max_logprobs=engine_config.max_logprobs,
         max_model_len=engine_config.scheduler.max_model_len,
         vocab_size=engine.input_processor.vocab_size,
         max_request_body_bytes=config.max_request_body_bytes,

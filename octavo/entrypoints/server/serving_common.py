@@ -44,8 +44,6 @@ from octavo.entrypoints.server.request_body import read_body
 
 T = TypeVar("T")
 
-# vLLM's default cap on logprobs per position.
-MAX_LOGPROBS = 20
 # More samples per prompt than this is a mistake or an attack, not a use.
 MAX_N = 128
 # logprob -inf has no JSON form; vLLM clamps to this.
@@ -74,6 +72,8 @@ class ServingContext:
     max_sequences: int = 256
     # Every name a request may give in `model` (model_name's among them).
     model_names: tuple[str, ...] = ()
+    # Most logprobs per position a request may ask for (--max-logprobs); -1: the vocabulary.
+    max_logprobs: int = 20
 
 
 def check_model(context: ServingContext, model: str | None) -> None:
@@ -125,9 +125,10 @@ def make_sampling_params(
     """OpenAI fields -> SamplingParams; ValueError becomes a 400 naming the user's field."""
     if request.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {request.n}.", "n")
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
+    cap = context.max_logprobs
+    if logprobs is not None and 0 <= cap < logprobs:
         param = rename.get("logprobs", "logprobs")
-        raise bad_request(f"{param} must be at most {MAX_LOGPROBS}, got {logprobs}.", param)
+        raise bad_request(f"{param} must be at most {cap} (--max-logprobs), got {logprobs}.", param)
     if max_tokens is not None and max_tokens > context.max_model_len:
         param = rename.get("max_tokens", "max_tokens")
         raise bad_request(
