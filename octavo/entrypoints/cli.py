@@ -91,6 +91,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers allowed")
     group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completion responses (default: assistant)",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, whether stream_options asks for it or not",
+    )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="give every response an X-Request-Id header (the request's own, or a new one)",
+    )
+    group.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="do not serve /docs, /redoc and /openapi.json",
@@ -190,6 +205,9 @@ def server_config_from(ns: argparse.Namespace):
         ssl_cert_reqs=ns.ssl_cert_reqs,
         ssl_ciphers=ns.ssl_ciphers,
         disable_fastapi_docs=ns.disable_fastapi_docs,
+        response_role=ns.response_role,
+        enable_force_include_usage=ns.enable_force_include_usage,
+        enable_request_id_headers=ns.enable_request_id_headers,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         max_request_body_bytes=ns.max_request_body_bytes,

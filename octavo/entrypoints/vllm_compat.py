@@ -319,7 +319,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "trust_request_chat_template": _refused("a chat template in the request: " + DROP_IN),
     "trust_request_mm_kwargs": _no(TEXT_ONLY),
     "default_chat_template_kwargs": _refused("default chat template kwargs: " + DROP_IN),
-    "response_role": _refused("another role for chat responses: " + DROP_IN),
     "return_tokens_as_token_ids": _refused("logprob tokens as token ids: " + DROP_IN),
     "exclude_tools_when_tool_choice_none": _refused(
         "leaving tools out of the prompt under tool_choice none: " + DROP_IN
@@ -332,9 +331,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     ),
     "enable_per_request_metrics": _no(METRICS),
     "enable_server_load_tracking": _no(METRICS),
-    "enable_force_include_usage": _refused(
-        "usage in every stream without stream_options: " + DROP_IN
-    ),
     "sse_keep_alive_interval": _no("octavo's streams send each token as it comes"),
     "enable_tokenizer_info_endpoint": _refused("/tokenizer_info: " + DROP_IN),
     "cohere_is_reasoning_model": _refused("the Cohere API: " + NOT_PLANNED),
@@ -356,7 +352,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
     "enable_ssl_refresh": _refused("reloading HTTPS certificates while serving: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),
-    "enable_request_id_headers": _refused("X-Request-Id response headers: " + DROP_IN),
     "h11_max_incomplete_event_size": _no(
         "octavo bounds request heads by time (--header-read-timeout) and bodies by "
         "--max-request-body-bytes"

@@ -94,6 +94,8 @@ def test_server_flags_parse_into_the_server_config():
             *("--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"),
             *("--root-path", "/api", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"),
             *("--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--disable-fastapi-docs"),
+            *("--response-role", "bot", "--enable-force-include-usage"),
+            "--enable-request-id-headers",
         ]
     )
     config = server_config_from(ns)
@@ -102,6 +104,8 @@ def test_server_flags_parse_into_the_server_config():
     assert config.allowed_headers == ("X-A", "X-B") and config.allow_credentials
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.root_path, config.ssl_keyfile, config.ssl_certfile) == ("/api", "k.pem", "c.pem")
+    assert (config.response_role, config.enable_force_include_usage) == ("bot", True)
+    assert config.enable_request_id_headers
     assert (config.ssl_ca_certs, config.ssl_cert_reqs, config.disable_fastapi_docs) == (
         "ca.pem",
         2,
@@ -175,3 +179,34 @@ def test_max_logprobs_caps_what_a_request_may_ask_for():
         chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 3}
         response = client.post("/v1/chat/completions", json=chat)
         assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_response_role_forced_usage_and_request_id_headers():
+    config = ServerConfig(
+        response_role="bot", enable_force_include_usage=True, enable_request_id_headers=True
+    )
+    with (
+        mock_server(config) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        chat = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}
+        response = client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "r1"})
+        assert response.json()["choices"][0]["message"]["role"] == "bot"
+        assert response.headers["x-request-id"] == "r1"
+        assert len(client.get("/v1/models").headers["x-request-id"]) == 32  # a new one
+        streamed = client.post("/v1/chat/completions", json={**chat, "stream": True}).text
+        events = [
+            line[len("data: ") :] for line in streamed.splitlines() if line.startswith("data: {")
+        ]
+        assert '"role":"bot"' in events[0]
+        assert '"usage":{"prompt_tokens"' in events[-1]  # without stream_options
+        completion = {"prompt": "a b", "max_tokens": 2, "stream": True}
+        streamed = client.post("/v1/completions", json=completion).text
+        events = [line for line in streamed.splitlines() if line.startswith("data: {")]
+        assert '"usage":{"prompt_tokens"' in events[-1]
+    with (
+        mock_server() as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        response = client.post("/v1/chat/completions", json={**chat, "stream": True})
+        assert '"usage":{' not in response.text and "x-request-id" not in response.headers

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -85,6 +86,11 @@ class ServerConfig:
     ssl_ciphers: str | None = None
     # FastAPI's /docs, /redoc and /openapi.json (served unless this is set, as vLLM does).
     disable_fastapi_docs: bool = False
+    # The role of chat responses; whether every stream ends with usage; whether responses
+    # carry X-Request-Id (the request's own, or a new one).
+    response_role: str = "assistant"
+    enable_force_include_usage: bool = False
+    enable_request_id_headers: bool = False
     # Larger bodies get 413 before they are parsed.
     max_request_body_bytes: int = 16 << 20
     # On SIGTERM, how long in-flight responses may run before they are ended.
@@ -154,6 +160,29 @@ class AuthMiddleware:
         await response(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Pure ASGI: every response carries X-Request-Id, the request's own or a new one (vLLM's
+    --enable-request-id-headers)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = [value for name, value in scope["headers"] if name == b"x-request-id"]
+        request_id = given[0] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(
     async_engine: AsyncEngine, config: ServerConfig, stat_logger: PrometheusStatLogger
 ) -> FastAPI:
@@ -166,6 +195,8 @@ def build_app(
         model_name=engine_config.served_model_name,
         model_names=engine_config.served_model_names or (engine_config.served_model_name,),
         max_logprobs=engine_config.max_logprobs,
+        response_role=config.response_role,
+        force_include_usage=config.enable_force_include_usage,
         max_model_len=engine_config.scheduler.max_model_len,
         vocab_size=engine.input_processor.vocab_size,
         max_request_body_bytes=config.max_request_body_bytes,
@@ -202,6 +233,8 @@ def build_app(
     ).add().instrument(app)
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, api_key=config.api_key or None)
+    if config.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -182,7 +182,7 @@ class _Run:
             raise engine_error_to_openai(exc) from None
         choices = []
         for index, choice in enumerate(self.choices):
-            message, finish_reason = _final_message(choice)
+            message, finish_reason = _final_message(choice, self.context.response_role)
             choices.append(
                 ChatCompletionChoice(
                     index=index,
@@ -212,7 +212,9 @@ class _Run:
 
     async def stream(self) -> AsyncIterator[str]:
         options = self.request.stream_options
-        include_usage = options is not None and options.include_usage
+        include_usage = self.context.force_include_usage or (
+            options is not None and options.include_usage
+        )
         exclude = None if include_usage else {"usage"}
         opened = False
         try:
@@ -223,7 +225,7 @@ class _Run:
                     # the first token.
                     opened = True
                     for index in range(self.request.n):
-                        role = DeltaMessage(role="assistant", content="")
+                        role = DeltaMessage(role=self.context.response_role, content="")
                         yield sse(self._chunk(ChatStreamChoice(index=index, delta=role)), exclude)
                 entries = self._add(completion)
                 choice = self.choices[completion.index]
@@ -263,16 +265,16 @@ def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish_reason == FinishReason.STOP else finish_reason
 
 
-def _final_message(choice: _Choice) -> tuple[ChatMessage, str | None]:
+def _final_message(choice: _Choice, role: str = "assistant") -> tuple[ChatMessage, str | None]:
     text = "".join(choice.text)
     if choice.parser is None:
-        return ChatMessage(role="assistant", content=text), choice.finish_reason
+        return ChatMessage(role=role, content=text), choice.finish_reason
     extracted = choice.parser.extract(text)
     calls = [
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in extracted.tool_calls
     ]
-    message = ChatMessage(role="assistant", content=extracted.content, tool_calls=calls or None)
+    message = ChatMessage(role=role, content=extracted.content, tool_calls=calls or None)
     return message, _tool_finish_reason(choice.finish_reason, bool(calls))
 
 

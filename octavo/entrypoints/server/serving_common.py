@@ -74,6 +74,10 @@ class ServingContext:
     model_names: tuple[str, ...] = ()
     # Most logprobs per position a request may ask for (--max-logprobs); -1: the vocabulary.
     max_logprobs: int = 20
+    # The role of chat responses (--response-role), and whether every stream ends with a
+    # usage chunk, asked for or not (--enable-force-include-usage).
+    response_role: str = "assistant"
+    force_include_usage: bool = False
 
 
 def check_model(context: ServingContext, model: str | None) -> None:

@@ -208,7 +208,9 @@ class _Run:
 
     async def stream(self) -> AsyncIterator[str]:
         options = self.request.stream_options
-        include_usage = options is not None and options.include_usage
+        include_usage = self.context.force_include_usage or (
+            options is not None and options.include_usage
+        )
         exclude = None if include_usage else {"usage"}
         try:
             async for index, completion in self._outputs():
