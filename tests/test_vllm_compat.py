@@ -5,13 +5,14 @@ user is told; values parse as vLLM parses them; `LLM(...)` takes vLLM's keywords
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from pathlib import Path
 
 import pytest
 
 from octavo.config import EngineArgs, PlatformInfo, human_readable_int
-from octavo.entrypoints.cli import expand_config_file, main, make_parser
+from octavo.entrypoints.cli import expand_config_file, main, make_parser, subparser
 from octavo.entrypoints.vllm_compat import (
     DISPOSITIONS,
     GROUP_DEFAULTS,
@@ -26,19 +27,20 @@ from octavo.entrypoints.vllm_compat import (
 )
 
 
+@functools.cache
 def serve_parser() -> argparse.ArgumentParser:
-    commands = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return commands.choices["serve"]
+    return subparser(make_parser(), "serve")
 
 
-def own_options() -> set[str]:
+@functools.cache
+def own_options() -> frozenset[str]:
     """octavo's own serve flags (not the ones vllm_compat adds)."""
-    return {
+    return frozenset(
         option
         for action in serve_parser()._actions
         if not action.dest.startswith("vllm_compat__")
         for option in action.option_strings
-    }
+    )
 
 
 def sample_argv(flag: dict) -> list[str]:
@@ -248,6 +250,17 @@ def test_gpu_memory_utilization_gives_the_kv_cache_its_share_less_the_weights(ti
         EngineArgs(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="not both"):
         EngineArgs(gpu_memory_utilization=0.5, kv_cache_tokens=1024)
+
+
+def test_the_weight_bytes_are_those_of_the_files_the_loader_reads(tmp_path):
+    """What gpu_memory_utilization subtracts: a folder's safetensors, not a .bin twin beside."""
+    from octavo.worker.setup import weight_file_bytes
+    from tests.model.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, "llama", seed=1)
+    safetensors = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 1000)
+    assert weight_file_bytes(str(tmp_path)) == safetensors
 
 
 def test_several_served_model_names(tiny_model_config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,7 @@ from octavo.config import EngineArgs, EngineConfig, PlatformInfo
 from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.config import ModelConfig
 from octavo.model.loader import load_model, read_model_config, resolve_model_path
+from octavo.model.loader.safetensors import weight_files
 from octavo.worker.device import TORCH_DTYPES, probe_platform
 from octavo.worker.model_runner import ModelRunner
 
@@ -61,14 +63,11 @@ def probe(args: EngineArgs) -> EngineFacts:
 
 
 def weight_file_bytes(model_path: str) -> int:
-    """The bytes of a model's weights on disk: a GGUF file, or a folder's weight files."""
+    """The bytes of a model's weights on disk: a GGUF file, or the weight files the loader
+    reads of a folder (the shards its index lists; safetensors where there are both)."""
     if os.path.isfile(model_path):
         return os.path.getsize(model_path)
-    return sum(
-        entry.stat().st_size
-        for entry in os.scandir(model_path)
-        if entry.is_file() and entry.name.endswith((".safetensors", ".bin"))
-    )
+    return sum(file.stat().st_size for file in weight_files(Path(model_path)))
 
 
 def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]:
