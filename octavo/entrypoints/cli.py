@@ -371,7 +371,7 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list
     index = argv.index("--config")
     if index + 1 >= len(argv):
         raise ValueError("--config needs a file.")
-    serve = _subparser(parser, "serve")
+    serve = subparser(parser, "serve")
     known = {option for action in serve._actions for option in action.option_strings}
     added = config_file_args(argv[index + 1], known.__contains__)
     rest = argv[:index] + argv[index + 2 :]
@@ -379,7 +379,8 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list
     return rest[:head] + added + rest[head:]
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one `octavo` command."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return commands.choices[name]
 

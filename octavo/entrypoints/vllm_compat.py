@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 VLLM_FLAGS_FILE = Path(__file__).with_name("vllm_flags.json")
 
@@ -100,6 +97,7 @@ KERNELS = (
 )
 OFFLOAD = "on a CPU the weights already live in host memory; there is nothing to offload"
 LORA_ONLY = "configures LoRA adapters, which need --enable-lora (" + NOT_PLANNED + ")"
+NUMA = "octavo runs one process on the CPUs it is given; bind it with numactl or taskset"
 METRICS = (
     "octavo exports its metrics at /metrics; this vLLM tracing or metric option has no equivalent"
 )
@@ -359,27 +357,30 @@ DISPOSITIONS: dict[str, Disposition] = {
     "h11_max_header_count": _no("octavo bounds request heads by time (--header-read-timeout)"),
     "enable_offline_docs": _no("octavo's /docs page loads its scripts from FastAPI's default CDN"),
     "enable_flash_late_interaction": _no(CPU_ONLY),
-    "numa_bind": _no(
-        "octavo runs one process on the CPUs it is given; bind it with numactl or taskset"
-    ),
-    "numa_bind_nodes": _no(
-        "octavo runs one process on the CPUs it is given; bind it with numactl or taskset"
-    ),
-    "numa_bind_cpus": _no(
-        "octavo runs one process on the CPUs it is given; bind it with numactl or taskset"
-    ),
+    "numa_bind": _no(NUMA),
+    "numa_bind_nodes": _no(NUMA),
+    "numa_bind_cpus": _no(NUMA),
     "device_ids": _no("octavo's device is --device"),
 }
 
 
 @functools.cache
+def _flags_file() -> dict[str, Any]:
+    return json.loads(VLLM_FLAGS_FILE.read_text())
+
+
 def vllm_flags() -> tuple[dict[str, Any], ...]:
     """The flags of `vllm serve`, as vllm_flags.json lists them."""
-    return tuple(json.loads(VLLM_FLAGS_FILE.read_text())["flags"])
+    return tuple(_flags_file()["flags"])
 
 
 def vllm_version() -> str:
-    return json.loads(VLLM_FLAGS_FILE.read_text())["vllm_version"]
+    return _flags_file()["vllm_version"]
+
+
+@functools.cache
+def _flags_by_dest() -> dict[str, dict[str, Any]]:
+    return {flag["dest"]: flag for flag in vllm_flags()}
 
 
 def disposition(flag: dict[str, Any]) -> Disposition | None:
@@ -391,12 +392,11 @@ def disposition(flag: dict[str, Any]) -> Disposition | None:
 _DEST_PREFIX = "vllm_compat__"
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Add to `parser` every vLLM flag it does not have (as vLLM takes it: a value, several, or
-    none), hidden from --help, parsed into a dest of its own only when given. Returns those
-    flags. Call after octavo's own flags are added."""
+    none), hidden from --help, parsed into a dest of its own only when given. Call after
+    octavo's own flags are added."""
     own = {option for action in parser._actions for option in action.option_strings}
-    added = []
     for flag in vllm_flags():
         if any(option in own for option in flag["options"]):
             continue
@@ -418,8 +418,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
             if flag["nargs"] is not None:
                 options["nargs"] = flag["nargs"]
             parser.add_argument(*flag["options"], **options)
-        added.append(flag)
-    return added
 
 
 class VllmFlagRefused(ValueError):
@@ -430,12 +428,9 @@ def check_given(given: Iterable[tuple[str, str, Any]]) -> list[str]:
     """(dest, how the user spelled it, value) of each vLLM setting given that octavo does not
     implement: raises VllmFlagRefused naming every refused one; returns the log lines of the
     ones without effect."""
-    by_dest = {flag["dest"]: flag for flag in vllm_flags()}
     notes, refused = [], []
     for dest, spelled, value in given:
-        flag = by_dest.get(dest)
-        if flag is None:
-            continue
+        flag = _flags_by_dest()[dest]
         verdict = disposition(flag)
         outcome = verdict.verdict(value) if verdict is not None else (REFUSED, NOT_PLANNED)
         if outcome is None:
@@ -461,20 +456,18 @@ def _shown(value: Any) -> str:
 
 def check_namespace(ns: argparse.Namespace) -> list[str]:
     """check_given for the vLLM flags add_vllm_flags parsed into `ns`."""
-    by_dest = {flag["dest"]: flag for flag in vllm_flags()}
     given = []
     for name, value in vars(ns).items():
         if name.startswith(_DEST_PREFIX):
             dest = name[len(_DEST_PREFIX) :]
-            given.append((dest, by_dest[dest]["options"][0], value))
+            given.append((dest, _flags_by_dest()[dest]["options"][0], value))
     return check_given(given)
 
 
 def check_keywords(kwargs: dict[str, Any]) -> list[str]:
     """check_given for `LLM(...)` keywords that are vLLM EngineArgs fields (its flags' dests)
     and not octavo's; raises TypeError for a keyword neither knows."""
-    known = {flag["dest"] for flag in vllm_flags()}
-    unknown = sorted(name for name in kwargs if name not in known)
+    unknown = sorted(name for name in kwargs if name not in _flags_by_dest())
     if unknown:
         raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
     return check_given((name, name, value) for name, value in kwargs.items())

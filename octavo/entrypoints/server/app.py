@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import signal
 import uuid
@@ -361,8 +362,6 @@ def build_app(
 def _top_level_keys(body: bytes) -> set[str]:
     """The keys of a JSON object body (nothing for anything else: the endpoint it goes to
     reports what is wrong with it)."""
-    import json
-
     try:
         value = json.loads(body)
     except ValueError:

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from octavo.config import DEFAULT_MAX_LOGPROBS
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.engine.async_engine import (
     AsyncEngine,
@@ -73,7 +74,7 @@ class ServingContext:
     # Every name a request may give in `model` (model_name's among them).
     model_names: tuple[str, ...] = ()
     # Most logprobs per position a request may ask for (--max-logprobs); -1: the vocabulary.
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # The role of chat responses (--response-role), and whether every stream ends with a
     # usage chunk, asked for or not (--enable-force-include-usage).
     response_role: str = "assistant"
