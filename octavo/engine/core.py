@@ -1,0 +1,178 @@
+"""EngineCore: the part of the engine that runs the model, on either side of the process
+boundary: the scheduler, the model runner, grammar compilation and the per-request timing.
+
+    add_request(EngineCoreRequest) / abort_requests(ids) / step() -> EngineCoreStep
+
+A step is schedule -> grammar bitmask -> execute -> update. What it returns is plain data
+(token ids, finish reasons, the step's stats), so that the same step crosses a process boundary
+as one message (octavo/engine/core_proc.py) or goes straight to the OutputProcessor of an
+in-process LLMEngine.
+
+Must not: tokenize, detokenize or look at text: stop strings are found by the frontend, which
+ends those requests with `abort_requests(ids, stopped=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from octavo.config import EngineConfig
+from octavo.core.outputs import EngineCoreOutput
+from octavo.core.request import FinishReason, Request, ResolvedParams
+from octavo.core.sampling_params import SamplingParams
+from octavo.core.scheduler import Scheduler
+from octavo.core.scheduler_output import SchedulerOutput
+from octavo.metrics.stats import IterationStats, SchedulerStats
+from octavo.metrics.tracker import RequestStatsTracker
+from octavo.structured_output import StructuredOutputManager
+from octavo.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Longest an idle step waits for a grammar to compile; new commands (adds, aborts) are read
+# between steps, so this bounds how late the step loop sees them.
+_GRAMMAR_WAIT_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """One output stream to run (a child of an n > 1 request is one of its own), checked and
+    resolved by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    resolved: ResolvedParams
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreStep:
+    """What one step did: each request's new tokens and finishes."""
+
+    outputs: list[EngineCoreOutput]
+    num_scheduled_tokens: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunner,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.model_runner = model_runner
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.structured_output = StructuredOutputManager(
+            tokenizer, model_runner.vocab_size, eos_token_ids
+        )
+        self.stats_tracker = RequestStatsTracker()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue one request; its grammar (if any) starts compiling off the step loop. Raises
+        ValueError (a grammar that does not compile) with nothing queued."""
+        params = request.sampling_params
+        grammar = (
+            None
+            if params.structured_outputs is None
+            else self.structured_output.grammar_for(params.structured_outputs)
+        )
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                request.resolved,
+                request.arrival_time,
+                grammar,
+            )
+        )
+        self.stats_tracker.add_request(
+            request.request_id,
+            request.arrival_time,
+            len(request.prompt_token_ids),
+            request.resolved.max_tokens,
+        )
+
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """End requests in any state; their blocks return to the pool at once. `stopped`: they
+        hit a stop string (their callers see STOP, the stats count them so)."""
+        self.scheduler.abort_requests(request_ids)
+        now = time.monotonic()
+        reason = FinishReason.STOP if stopped else FinishReason.ABORT
+        for request_id in request_ids:
+            self.stats_tracker.record_finished(request_id, reason, now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreStep:
+        """One step. Its events go to the stats tracker; `take_iteration_stats` collects them
+        (after the frontend's stop-string aborts of the same step, in process)."""
+        step_start_time = time.monotonic()
+        scheduler_output = self._with_grammar_bitmask(self.scheduler.schedule())
+        runner_output = self.model_runner.execute(scheduler_output)
+        outputs = self.scheduler.update(scheduler_output, runner_output)
+        self._record_events(step_start_time, scheduler_output, outputs)
+        return EngineCoreStep(outputs, scheduler_output.total_num_scheduled_tokens)
+
+    def take_iteration_stats(self, num_scheduled_tokens: int = 0) -> IterationStats:
+        """Everything recorded since the last call (steps, aborts), as one IterationStats."""
+        return self.stats_tracker.take_iteration_stats(num_scheduled_tokens)
+
+    def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step's output with the allowed-token bitmask of its sampling structured
+        requests. With nothing scheduled while grammars compile, wait a little for one
+        instead of letting the step loop spin."""
+        req_ids = scheduler_output.structured_output_req_ids
+        if not req_ids:
+            if scheduler_output.is_empty:
+                self.structured_output.wait_for_pending(_GRAMMAR_WAIT_S)
+            return scheduler_output
+        grammars = []
+        for request_id in req_ids:
+            request = self.scheduler.get_request(request_id)
+            assert request is not None and request.grammar is not None, request_id
+            grammars.append(request.grammar)
+        bitmask = self.structured_output.grammar_bitmask(grammars)
+        return dataclasses.replace(scheduler_output, grammar_bitmask=bitmask)
+
+    def _record_events(
+        self,
+        step_start_time: float,
+        scheduler_output: SchedulerOutput,
+        outputs: list[EngineCoreOutput],
+    ) -> None:
+        """Scheduling and evictions are stamped with the step's start, tokens and finishes
+        with its end (when the outputs are ready for callers)."""
+        now = time.monotonic()
+        tracker = self.stats_tracker
+        tracker.record_scheduled(
+            (new_req.request_id for new_req in scheduler_output.scheduled_new_reqs),
+            step_start_time,
+        )
+        tracker.record_preempted(scheduler_output.preempted_req_ids, step_start_time)
+        for output in outputs:
+            tracker.record_tokens(output.request_id, len(output.new_token_ids), now)
+            if output.finish_reason is not None:
+                tracker.record_finished(output.request_id, output.finish_reason, now)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the scheduler's queues or the block pool disagree."""
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.structured_output.shutdown()
