@@ -110,6 +110,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not serve /docs, /redoc and /openapi.json",
     )
+    group.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine on a thread of the API server process instead of in an "
+        "engine-core process of its own (one process; the layout before the engine-core "
+        "process, kept for comparison and debugging)",
+    )
     # Checked by ServerConfig (importing the parser registry here would load the server).
     group.add_argument(
         "--tool-call-parser",
@@ -218,6 +225,7 @@ def server_config_from(ns: argparse.Namespace):
         limit_concurrency=ns.limit_concurrency,
         shutdown_timeout_s=ns.shutdown_timeout,
         enable_dev_endpoints=ns.enable_dev_endpoints,
+        engine_in_process=ns.engine_in_process,
     )
 
 

@@ -1,9 +1,10 @@
-"""One octavo server for the whole `tests/server` session: uvicorn in a thread on a free
-127.0.0.1 port, over the embedded model in float32 with a modest KV pool and an API key.
+"""One octavo server for the whole `tests/server` session, laid out as `octavo serve` runs:
+uvicorn in a thread on a free 127.0.0.1 port, the engine core in a process of its own, over the
+embedded model in float32 with a modest KV pool and an API key.
 
 Loading the model takes seconds, so every module shares this server. Tests reach the engine only
-through the AsyncEngine (`call` runs a function on the engine thread between steps), never by
-touching LLMEngine from the test thread.
+through the AsyncEngine (`call` runs a function on the frontend engine, MPEngine, whose
+utility calls run in the core process between its steps).
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import httpx
 import pytest
 
 from octavo.config import EngineArgs
-from octavo.engine.async_engine import AsyncEngine
-from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.core_client import AsyncMPEngine, MPEngine
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import make_server
 
@@ -37,15 +37,15 @@ BODY_READ_TIMEOUT_S = 2.0
 class RunningServer:
     base_url: str
     api_key: str
-    async_engine: AsyncEngine
+    async_engine: AsyncMPEngine
     app: Any
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 60.0) -> Any:
-        """Run `fn(engine)` on the engine thread and return its result."""
+    def call(self, fn: Callable[[MPEngine], Any], timeout_s: float = 60.0) -> Any:
+        """Run `fn(engine)` (the frontend engine) and return its result."""
         loop = self.async_engine.loop
         assert loop is not None
         future = asyncio.run_coroutine_threadsafe(self.async_engine.call(fn), loop)
@@ -62,8 +62,8 @@ class RunningServer:
         """Idle engine: no request anywhere, every KV block free, queues consistent."""
         self.wait_idle()
 
-        def check(engine: LLMEngine) -> tuple[int, int, int, int]:
-            engine.scheduler.check_integrity()
+        def check(engine: MPEngine) -> tuple[int, int, int, int]:
+            engine.check_integrity()
             stats = engine.make_stats()
             return (
                 stats.num_running_reqs,
@@ -79,7 +79,7 @@ class RunningServer:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    engine = LLMEngine.from_engine_args(
+    async_engine = AsyncMPEngine.from_engine_args(
         # 16-token blocks (the CPU default is 128): short prompts then hit the prefix cache.
         EngineArgs(
             dtype="float32",
@@ -100,8 +100,8 @@ def server() -> Iterator[RunningServer]:
         header_read_timeout_s=HEADER_READ_TIMEOUT_S,
         body_read_timeout_s=BODY_READ_TIMEOUT_S,
     )
-    app = make_server_app(engine, config)
-    uv = make_server(app, app.state.async_engine, config, log_level="warning")
+    app = make_server_app(async_engine, config)
+    uv = make_server(app, async_engine, config, log_level="warning")
     thread = start_in_thread(uv, "test-server", 60)
     yield RunningServer(f"http://127.0.0.1:{config.port}", API_KEY, app.state.async_engine, app)
     uv.should_exit = True

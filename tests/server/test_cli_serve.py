@@ -5,59 +5,22 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from octavo.entrypoints.cli import main
 
+from .utils import free_port, start_serve
+
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "octavo.entrypoints.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        "k",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--kv-cache-tokens",
-        "2048",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    port = free_port()
+    process = start_serve(port)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
         body = {
             "model": "tiny",
             "prompt": "Hello",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,43 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def start_serve(port: int, *extra: str) -> subprocess.Popen:
+    """`octavo serve` over the embedded model (float32, a small pool, API key "k", served as
+    "tiny") in a subprocess, returned once /health answers 200; `extra` are more flags."""
+    command = [
+        sys.executable,
+        "-m",
+        "octavo.entrypoints.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        "k",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-tokens",
+        "2048",
+        *extra,
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read().decode()[-2000:])
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.25)
 
 
 def start_in_thread(server: Server, name: str, timeout_s: float) -> threading.Thread:

@@ -7,9 +7,12 @@ connection limits (header and body read timeouts, keep-alive, a connection limit
 process lifecycle: SIGTERM stops accepting connections, lets in-flight responses finish, and
 shortly before `shutdown_timeout_s` ends the streams still running with an error event and
 [DONE], stops the engine thread and exits 0. Request bodies are decoded, rendered and
-tokenized in a few preparation threads, never on the event loop.
+tokenized in a few preparation threads, never on the event loop. The engine core runs in a
+process of its own (AsyncMPEngine) unless `engine_in_process`; if that process dies, the
+server stops and `run_server` returns 1.
 
-Must not: step the engine (the AsyncEngine thread does) or hold per-request state.
+Must not: step the engine (the engine-core process or the AsyncEngine thread does) or hold
+per-request state.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 import octavo
 from octavo.config import EngineArgs
 from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.core_client import AsyncMPEngine
 from octavo.engine.llm_engine import LLMEngine
 from octavo.entrypoints.server.chat_render import chat_render_from
 from octavo.entrypoints.server.errors import (
@@ -113,6 +117,9 @@ class ServerConfig:
     # whether tool_choice "auto" (the default when tools are given) is allowed.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Step the engine on a thread of this process (AsyncEngine) instead of in an engine-core
+    # process of its own (AsyncMPEngine, the default).
+    engine_in_process: bool = False
 
     def __post_init__(self) -> None:
         # A bad combination fails at start-up (ValueError), not on the first request.
@@ -409,13 +416,26 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
 
 
 def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
-    """Load the model, serve until SIGTERM or Ctrl-C, shut down gracefully; returns 0."""
+    """Start the engine core (its own process unless `config.engine_in_process`), serve until
+    SIGTERM or Ctrl-C and shut down gracefully (0), or until the engine-core process dies (1:
+    its requests fail, /health answers 503 while the server closes)."""
     from octavo.entrypoints.server.http_server import make_server
 
-    # Built on the thread that will step it: one OpenMP team for all of its torch work.
-    async_engine = AsyncEngine.from_factory(lambda: LLMEngine.from_engine_args(engine_args))
+    if config.engine_in_process:
+        # Built on the thread that will step it: one OpenMP team for all of its torch work.
+        async_engine = AsyncEngine.from_factory(lambda: LLMEngine.from_engine_args(engine_args))
+    else:
+        async_engine = AsyncMPEngine.from_engine_args(engine_args)
     app = make_server_app(async_engine, config)
     server = make_server(app, async_engine, config)
+    engine_died: list[str] = []
+    if isinstance(async_engine, AsyncMPEngine):
+
+        def stop_serving(reason: str) -> None:
+            engine_died.append(reason)
+            server.should_exit = True  # uvicorn's loop reads it every 0.1 s
+
+        async_engine.on_dead(stop_serving)
     # uvicorn re-raises the signal it caught once it has shut down; with this handler in
     # place that re-raise is a no-op and the process exits 0 after a graceful stop.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -423,5 +443,8 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if engine_died:
+        logger.error("server stopped: %s", engine_died[0])
+        return 1
     logger.info("server stopped")
     return 0

@@ -1,0 +1,130 @@
+"""The engine core in its own process: the messages across the boundary come back as they went,
+and the processes end together: a killed server leaves no engine-core process behind, and a
+killed engine core fails its requests, turns /health to 503 and makes the server exit 1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import httpx
+import psutil
+import pytest
+
+from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
+from octavo.core.request import FinishReason, ResolvedParams
+from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
+from octavo.engine import serial
+from octavo.engine.core import EngineCoreRequest
+from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+from .utils import free_port, start_serve
+
+
+def _through(message: list) -> list:
+    return serial.unpack(serial.pack(message))
+
+
+def test_requests_outputs_and_stats_cross_the_boundary_unchanged() -> None:
+    request = EngineCoreRequest(
+        "0_req",
+        [1, 2, 3],
+        SamplingParams(
+            temperature=0.7,
+            top_k=5,
+            seed=3,
+            stop=["\n"],
+            stop_token_ids=[9],
+            logprobs=2,
+            logit_bias={17: -2.5},
+            structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+        ),
+        ResolvedParams(40, frozenset({2, 9})),
+        123.25,
+    )
+    (item,) = _through([serial.encode_request(request)])
+    assert serial.decode_request(item) == request
+
+    outputs = [
+        EngineCoreOutput("a", [5], [TokenLogprobs([5, 6], [-0.5, -1.5], 1)]),
+        EngineCoreOutput("b", [7], None, FinishReason.STOP, stop_reason=7, num_cached_tokens=16),
+        EngineCoreOutput("c", [], None, FinishReason.ERROR, error="why"),
+    ]
+    items = _through([serial.encode_output(output) for output in outputs])
+    assert [serial.decode_output(item) for item in items] == outputs
+
+    finished = FinishedRequestStats(
+        "b", FinishReason.LENGTH, 3, 4, 4, 1.5, 0.25, 0.5, 0.25, 1.0, 0.4, 1, (0.3,)
+    )
+    iteration = IterationStats(
+        num_scheduled_tokens=9,
+        num_prompt_tokens=3,
+        num_generation_tokens=2,
+        time_to_first_tokens_s=[0.5],
+        inter_token_latencies_s=[0.1],
+        finished_requests=[finished],
+    )
+    (encoded,) = _through([serial.encode_iteration_stats(iteration)])
+    assert serial.decode_iteration_stats(encoded) == iteration
+    scheduler = SchedulerStats(1, 2, 0.5, 3, 40, 16, 10, 20)
+    (encoded,) = _through([serial.encode_scheduler_stats(scheduler)])
+    assert serial.decode_scheduler_stats(encoded) == scheduler
+
+
+def _engine_core(server: subprocess.Popen) -> psutil.Process:
+    children = psutil.Process(server.pid).children(recursive=True)
+    cores = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [c.cmdline() for c in children]
+    return cores[0]
+
+
+@pytest.mark.slow
+def test_killing_the_server_leaves_no_engine_core_behind() -> None:
+    server = start_serve(free_port())
+    try:
+        core = _engine_core(server)
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        # The core sees its pipe close and exits by itself.
+        core.wait(10)
+        assert not core.is_running()
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+@pytest.mark.slow
+def test_a_dead_engine_core_fails_its_requests_and_stops_the_server() -> None:
+    port = free_port()
+    server = start_serve(port)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        core = _engine_core(server)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+        lines = []
+        with httpx.stream(
+            "POST",
+            base_url + "/v1/completions",
+            json=dict(body, stream=True),
+            timeout=60,
+            headers={"Authorization": "Bearer k"},
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                if len(lines) == 2:
+                    core.kill()
+        # The stream ends with an error event and [DONE], not a cut connection.
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][len("data: ") :])["error"]
+        assert error["type"] == "server_error" and "engine" in error["message"], error
+        # Until it has closed, the server says it is not healthy.
+        try:
+            assert httpx.get(base_url + "/health", timeout=5).status_code == 503
+        except httpx.ConnectError:
+            pass  # closed already
+        assert server.wait(30) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
