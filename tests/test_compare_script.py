@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 
+import psutil
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
@@ -173,7 +174,10 @@ def test_watch_summary_gives_the_steal_share_its_worst_second_and_major_faults(c
 def test_machine_sample_reads_this_process(compare) -> None:
     faults: dict[int, int] = {}
     first = compare.machine_sample(os.getpid(), faults)
-    assert list(faults) == [os.getpid()] and first["major_faults"] == faults[os.getpid()] >= 0
+    # This process and its children (the test server's engine core among them).
+    family = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
+    assert os.getpid() in faults and set(faults) <= family, (faults, family)
+    assert first["major_faults"] == sum(faults.values()) >= 0
     # A process that exited keeps its last count in the sum.
     faults[-1] = 5
     second = compare.machine_sample(os.getpid(), faults)

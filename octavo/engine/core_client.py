@@ -71,10 +71,14 @@ class MPEngine:
         input_address = f"ipc://{os.path.join(self._dir, 'input')}"
         output_address = f"ipc://{os.path.join(self._dir, 'output')}"
         self._context = zmq.Context()
+        # The sending sides connect: a connecting socket queues messages from the first one
+        # (a binding one has no peer until the handshake is done, and refuses them), and it
+        # keeps queueing, never blocking, after the peer has gone (the process watch then
+        # reports the death). No high-water mark: nothing is ever dropped.
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails only without a peer
-        self._input.bind(input_address)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.connect(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
@@ -175,7 +179,7 @@ class MPEngine:
     # --- the boundary -----------------------------------------------------------------------------
 
     def send(self, message: list[Any]) -> None:
-        """Never blocks: with the core gone there is no peer, and the message is refused."""
+        """Never blocks (see the sockets in __init__); EngineDeadError if refused all the same."""
         with self.lock:
             try:
                 self._input.send(serial.pack(message), zmq.NOBLOCK)

@@ -84,10 +84,12 @@ def run_engine_core(
     gc.collect()
     gc.freeze()  # as LLMEngine.from_engine_args: start-up's objects outside every collection
     context = zmq.Context()
+    # Each sending side connects (see MPEngine.__init__).
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
+    inputs.bind(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(output_address)
     code = EngineCoreLoop(core, inputs, outputs).run()
     core.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 
 import httpx
 import psutil
@@ -80,10 +81,28 @@ def _engine_core(server: subprocess.Popen) -> psutil.Process:
 
 
 @pytest.mark.slow
-def test_killing_the_server_leaves_no_engine_core_behind() -> None:
-    server = start_serve(free_port())
+def test_the_request_log_across_the_boundary_and_no_core_left_behind(tmp_path) -> None:
+    """A request ended by a stop string (found in the server process, aborted in the core)
+    is logged once with finish reason stop; then SIGKILL of the server takes the core too."""
+    log = tmp_path / "requests.jsonl"
+    port = free_port()
+    server = start_serve(port, "--request-log", str(log))
     try:
         core = _engine_core(server)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "stop": [" "]}
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer k"},
+            timeout=60,
+        )
+        assert response.json()["choices"][0]["finish_reason"] == "stop", response.text
+        deadline = time.monotonic() + 10
+        while not log.exists() or not log.read_text():
+            assert time.monotonic() < deadline, "no request log line"
+            time.sleep(0.1)
+        (entry,) = [json.loads(line) for line in log.read_text().splitlines()]
+        assert entry["finish_reason"] == "stop" and entry["completion_tokens"] >= 1, entry
         server.send_signal(signal.SIGKILL)
         server.wait(10)
         # The core sees its pipe close and exits by itself.
