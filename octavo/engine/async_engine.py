@@ -311,10 +311,7 @@ class AsyncEngine:
         elif isinstance(command, _EndAll):
             self._fail_all(EngineDeadError(command.reason))
         elif isinstance(command, _Call):
-            try:
-                command.future.set_result(command.fn(engine))
-            except Exception as exc:
-                command.future.set_exception(exc)
+            run_call(command, engine)
         else:
             self._add(command)
 
@@ -357,13 +354,18 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every in-flight request with `error` and free its blocks."""
+    def _fail_streams(self, error: BaseException) -> list[str]:
+        """Send `error` to every stream in flight and forget them; returns their request ids."""
         streams = {id(s): s for s in self._streams.values()}
         request_ids = list(self._streams)
         self._streams.clear()
         for stream in streams.values():
             self._send(stream, [error])
+        return request_ids
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every in-flight request with `error` and free its blocks."""
+        request_ids = self._fail_streams(error)
         try:
             self.engine.abort_request(request_ids)
         except Exception:
@@ -384,11 +386,17 @@ class AsyncEngine:
                 self._deliver(engine.step())
         except Exception:
             logger.exception("flushing aborted requests at shutdown failed")
-        for stream in {id(s): s for s in self._streams.values()}.values():
-            self._send(stream, [EngineDeadError("The engine stopped.")])
-        self._streams.clear()
+        self._fail_streams(EngineDeadError("The engine stopped."))
         if self._dead_reason is None:
             self._dead_reason = "shut down"
+
+
+def run_call(command: _Call, engine: Any) -> None:
+    """`command.fn(engine)`, its result or exception in `command.future`."""
+    try:
+        command.future.set_result(command.fn(engine))
+    except Exception as exc:
+        command.future.set_exception(exc)
 
 
 def _step_error(exc: BaseException) -> EngineStepError:

@@ -45,10 +45,11 @@ from octavo.engine.async_engine import (
     _Add,
     _Call,
     _EndAll,
+    run_call,
 )
 from octavo.engine.core_proc import CoreInfo, run_engine_core
 from octavo.engine.input_processor import InputProcessor
-from octavo.engine.llm_engine import fan_out
+from octavo.engine.llm_engine import fan_out, record_stats
 from octavo.engine.output_processor import OutputKind, OutputProcessor
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import SchedulerStats, StatLogger
@@ -277,10 +278,7 @@ class AsyncMPEngine(AsyncEngine):
         super().shutdown(timeout_s)
         self.engine.close(timeout_s)
         with self.engine.lock:
-            streams = {id(s): s for s in self._streams.values()}
-            self._streams.clear()
-        for stream in streams.values():
-            self._send(stream, [EngineDeadError("The engine stopped.")])
+            self._fail_streams(EngineDeadError("The engine stopped."))
         if self._dead_reason is None:
             self._dead_reason = "shut down"
 
@@ -289,7 +287,7 @@ class AsyncMPEngine(AsyncEngine):
     def _submit(self, command: _Add | _Abort | _Call | _EndAll) -> None:
         engine = self.engine
         if isinstance(command, _Call):
-            threading.Thread(target=_run_call, args=(command, engine), daemon=True).start()
+            threading.Thread(target=run_call, args=(command, engine), daemon=True).start()
             return
         with engine.lock:
             if isinstance(command, _Abort):
@@ -365,7 +363,8 @@ class AsyncMPEngine(AsyncEngine):
                         pass  # the next poll finds the process gone
                 self._deliver(processed.request_outputs)
             self._num_steps += 1
-            self._record_stats(
+            record_stats(
+                self.engine.stat_loggers,
                 serial.decode_scheduler_stats(scheduler),
                 serial.decode_iteration_stats(iteration),
             )
@@ -380,32 +379,15 @@ class AsyncMPEngine(AsyncEngine):
         else:
             logger.error("unknown message %r from the engine core", kind)
 
-    def _record_stats(self, scheduler_stats: SchedulerStats, iteration_stats: Any) -> None:
-        for stat_logger in self.engine.stat_loggers:
-            try:
-                stat_logger.record(scheduler_stats, iteration_stats)
-            except Exception:
-                logger.exception("stat logger %r failed", stat_logger)
-
     def _died(self, reason: str) -> None:
         logger.error("%s: failing every request in flight", reason)
         self._dead_reason = reason
         error = EngineDeadError(f"The engine is not running: {reason}")
         with self.engine.lock:
-            streams = {id(s): s for s in self._streams.values()}
-            self._streams.clear()
-            for stream in streams.values():
-                self._send(stream, [error])
+            self._fail_streams(error)
         self.engine.fail_calls(error)
         for callback in self._on_dead:
             try:
                 callback(reason)
             except Exception:
                 logger.exception("on_dead callback %r failed", callback)
-
-
-def _run_call(command: _Call, engine: MPEngine) -> None:
-    try:
-        command.future.set_result(command.fn(engine))
-    except Exception as exc:
-        command.future.set_exception(exc)

@@ -18,7 +18,6 @@ Must not: tokenize, detokenize or look at text (the frontend does), or block on 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -66,7 +65,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        from octavo.engine.llm_engine import build_core_parts
+        from octavo.engine.llm_engine import build_core_parts, freeze_startup_objects
 
         config, runner, tokenizer, eos = build_core_parts(args)
         core = EngineCore(config, runner, tokenizer, eos)
@@ -81,8 +80,7 @@ def run_engine_core(
         )
     )
     threading.Thread(target=_exit_with_frontend, args=(conn,), daemon=True).start()
-    gc.collect()
-    gc.freeze()  # as LLMEngine.from_engine_args: start-up's objects outside every collection
+    freeze_startup_objects()
     context = zmq.Context()
     # Each sending side connects (see MPEngine.__init__).
     inputs = context.socket(zmq.PULL)

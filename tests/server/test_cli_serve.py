@@ -11,7 +11,7 @@ import pytest
 
 from octavo.entrypoints.cli import main
 
-from .utils import free_port, start_serve
+from .utils import free_port, start_serve, stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -21,26 +21,8 @@ def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
     process = start_serve(port)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        body = {
-            "model": "tiny",
-            "prompt": "Hello",
-            "max_tokens": 20,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        lines = []
-        with httpx.stream(
-            "POST",
-            base_url + "/v1/completions",
-            json=body,
-            timeout=60,
-            headers={"Authorization": "Bearer k"},
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                if len(lines) == 2:
-                    process.send_signal(signal.SIGTERM)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "ignore_eos": True}
+        lines = stream_events(base_url, body, lambda: process.send_signal(signal.SIGTERM))
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][len("data: ") :])["choices"][0]
         assert last["finish_reason"] == "length"

@@ -20,7 +20,7 @@ from octavo.engine import serial
 from octavo.engine.core import EngineCoreRequest
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
-from .utils import free_port, start_serve
+from .utils import free_port, start_serve, stream_events
 
 
 def _through(message: list) -> list:
@@ -121,19 +121,7 @@ def test_a_dead_engine_core_fails_its_requests_and_stops_the_server() -> None:
     try:
         core = _engine_core(server)
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
-        lines = []
-        with httpx.stream(
-            "POST",
-            base_url + "/v1/completions",
-            json=dict(body, stream=True),
-            timeout=60,
-            headers={"Authorization": "Bearer k"},
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                if len(lines) == 2:
-                    core.kill()
+        lines = stream_events(base_url, body, core.kill)
         # The stream ends with an error event and [DONE], not a cut connection.
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2][len("data: ") :])["error"]

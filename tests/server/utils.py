@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -55,6 +56,26 @@ def start_serve(port: int, *extra: str) -> subprocess.Popen:
                 return process
         except httpx.HTTPError:
             time.sleep(0.25)
+
+
+def stream_events(base_url: str, body: dict, after_two: Callable[[], object]) -> list[str]:
+    """Stream a completion from a `start_serve` server; call `after_two()` once the second
+    `data:` event has arrived, and return every `data:` line of the stream."""
+    lines: list[str] = []
+    with httpx.stream(
+        "POST",
+        base_url + "/v1/completions",
+        json=dict(body, stream=True),
+        timeout=60,
+        headers={"Authorization": "Bearer k"},
+    ) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line)
+            if len(lines) == 2:
+                after_two()
+    return lines
 
 
 def start_in_thread(server: Server, name: str, timeout_s: float) -> threading.Thread:
