@@ -377,6 +377,15 @@ class EngineArgs:
     huge_pages: bool = setting(
         True, "allocate the KV cache and packed or block weights in 2 MiB pages"
     )
+    data_parallel_size: int = setting(
+        1,
+        "engine-core processes, each with its own scheduler and KV pool, behind one API "
+        "server that routes each request by its cached prefix, else to the least loaded; "
+        "the CPUs are split between them, and so are the default KV capacity and "
+        "--gpu-memory-utilization (an explicit --kv-cache-tokens / --kv-cache-memory-bytes "
+        "is each one's); octavo serve only",
+        short="-dp",
+    )
 
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
@@ -386,6 +395,10 @@ class EngineArgs:
         names = self.served_model_name
         if isinstance(names, (list, tuple)) and not (names and all(names)):
             raise ValueError("served_model_name must name at least one model.")
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}."
+            )
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(
@@ -591,9 +604,12 @@ class EngineArgs:
             tokens_bytes = -(-self.kv_cache_tokens // block_size) * model_bytes_per_token
             return -(-tokens_bytes // bytes_per_token)
         block_bytes = bytes_per_token * block_size
-        budget = self.kv_cache_memory_bytes or platform.default_kv_cache_bytes
+        # Data-parallel replicas share this machine's memory (and device): the default and
+        # gpu_memory_utilization are split between them; an explicit capacity is each one's.
+        replicas = self.data_parallel_size
+        budget = self.kv_cache_memory_bytes or platform.default_kv_cache_bytes // replicas
         if self.gpu_memory_utilization is not None:
-            share = int(self.gpu_memory_utilization * platform.total_memory_bytes)
+            share = int(self.gpu_memory_utilization * platform.total_memory_bytes) // replicas
             budget = share - weight_bytes
             if budget < block_bytes:
                 raise ValueError(

@@ -32,7 +32,7 @@ class _StatsCollector:
         self.num_evicted_reqs = 0
         self.scheduler_stats: Any = None
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
         self.freezes_s.extend(iteration_stats.eviction_freezes_s)
         self.ttfts_s.extend(iteration_stats.time_to_first_tokens_s)
         self.num_evicted_reqs += iteration_stats.num_newly_evicted_reqs

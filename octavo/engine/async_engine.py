@@ -354,11 +354,19 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    def _fail_streams(self, error: BaseException) -> list[str]:
-        """Send `error` to every stream in flight and forget them; returns their request ids."""
-        streams = {id(s): s for s in self._streams.values()}
-        request_ids = list(self._streams)
-        self._streams.clear()
+    def _fail_streams(
+        self, error: BaseException, request_ids: list[str] | None = None
+    ) -> list[str]:
+        """Send `error` to every stream in flight (or to those of `request_ids`) and forget
+        them; returns the request ids failed."""
+        if request_ids is None:
+            request_ids = list(self._streams)
+        else:
+            request_ids = [r for r in request_ids if r in self._streams]
+        streams = {}
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id)
+            streams[id(stream)] = stream
         for stream in streams.values():
             self._send(stream, [error])
         return request_ids

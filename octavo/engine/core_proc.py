@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -57,14 +58,28 @@ class CoreInfo:
 
 
 def run_engine_core(
-    args: EngineArgs, input_address: str, output_address: str, conn: Connection
+    args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    conn: Connection,
+    engine_index: int = 0,
+    cpus: list[int] | None = None,
 ) -> None:
     """The process's target: build the core, report, serve the frontend until told to stop or
-    until the frontend is gone."""
+    until the frontend is gone. `cpus`: the CPUs this core's threads run on (a data-parallel
+    replica's share), None for all the process was given."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    name = "%(name)s" if args.data_parallel_size == 1 else f"[engine {engine_index}] %(name)s"
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
     try:
+        if cpus is not None:
+            # Before torch's first parallel region: its thread team takes these CPUs.
+            import torch
+
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(len(cpus))
+            logger.info("engine %d runs on CPUs %s", engine_index, _cpu_list(cpus))
         from octavo.engine.llm_engine import build_core_parts, freeze_startup_objects
 
         config, runner, tokenizer, eos = build_core_parts(args)
@@ -79,7 +94,9 @@ def run_engine_core(
             CoreInfo(config, runner.vocab_size, eos, dict(runner.model_config.sampling_defaults)),
         )
     )
-    threading.Thread(target=_exit_with_frontend, args=(conn,), daemon=True).start()
+    # The sockets' folder is the frontend's; if it dies, the core clears it as it leaves.
+    socket_dir = os.path.dirname(input_address.removeprefix("ipc://"))
+    threading.Thread(target=_exit_with_frontend, args=(conn, socket_dir), daemon=True).start()
     freeze_startup_objects()
     context = zmq.Context()
     # Each sending side connects (see MPEngine.__init__).
@@ -97,13 +114,26 @@ def run_engine_core(
     sys.exit(code)
 
 
-def _exit_with_frontend(conn: Connection) -> None:
+def _cpu_list(cpus: list[int]) -> str:
+    """0-3,8 style."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _exit_with_frontend(conn: Connection, socket_dir: str) -> None:
     """Block on the pipe; the frontend never writes to it, so this returns only when its end
-    closes. Then leave at once: nobody is left to read what this process makes."""
+    closes. Then leave at once: nobody is left to read what this process makes. (A frontend
+    that shuts down cleanly joins the core first, so this does not run then.)"""
     try:
         conn.recv()
     except (EOFError, OSError):
         pass
+    shutil.rmtree(socket_dir, ignore_errors=True)
     os._exit(1)
 
 

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    # Engine cores behind this frontend (MPEngine's: data_parallel_size).
+    num_replicas = 1
+
     def __init__(
         self,
         config: EngineConfig,
@@ -89,6 +92,12 @@ class LLMEngine:
         """Resolve `args` against this machine and model, build the worker, log the resolved
         configuration (the backend's choices included) as one JSON document and the KV
         capacity line, and return the engine."""
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an engine in this process is "
+                "one engine; `octavo serve --data-parallel-size N` runs N engine-core "
+                "processes behind one server."
+            )
         config, runner, tokenizer, eos = build_core_parts(args)
         engine = cls(config, runner, tokenizer, eos, dict(runner.model_config.sampling_defaults))
         freeze_startup_objects()
@@ -170,12 +179,13 @@ def record_stats(
     stat_loggers: list[StatLogger],
     scheduler_stats: SchedulerStats,
     iteration_stats: IterationStats,
+    engine_index: int = 0,
 ) -> None:
-    """Hand one step's stats to every logger; one that raises is logged, never the step's
-    problem."""
+    """Hand one step's stats (of engine `engine_index`) to every logger; one that raises is
+    logged, never the step's problem."""
     for stat_logger in stat_loggers:
         try:
-            stat_logger.record(scheduler_stats, iteration_stats)
+            stat_logger.record(scheduler_stats, iteration_stats, engine_index)
         except Exception:
             logger.exception("stat logger %r failed", stat_logger)
 

@@ -14,6 +14,9 @@ metrics are thread-safe, so no lock is needed here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     GC_COLLECTOR,
@@ -157,6 +160,9 @@ class PrometheusStatLogger:
     Counters are declared without the `_total` suffix; prometheus_client exposes them as
     `..._total`, which is what vLLM serves. The scheduler's cumulative counts are turned
     into increments against the last snapshot seen.
+
+    One logger serves every engine of a server: each metric is one family, and each engine
+    (a data-parallel replica) its own series in it, labelled `engine="<index>"` as vLLM's are.
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -168,30 +174,70 @@ class PrometheusStatLogger:
         max_model_len: int = 32768,
         max_num_batched_tokens: int = 8192,
         cache_info: dict[str, str] | None = None,
-        engine: str = "0",
+        num_engines: int = 1,
     ) -> None:
         """cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
-        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...)."""
+        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine."""
         self.registry = registry or CollectorRegistry()
         if registry is None:  # a registry of its own: the process's collectors join it
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
             if GC_COLLECTOR is not None:
                 GCCollector(registry=self.registry)
-        labels = {"model_name": model_name, "engine": engine}
+        families: dict[str, Any] = {}
 
+        def family(kind: type, name: str, documentation: str, labelnames: list[str], **kw: Any):
+            if name not in families:
+                families[name] = kind(name, documentation, labelnames, registry=self.registry, **kw)
+            return families[name]
+
+        self._engines = [
+            _EngineMetrics(
+                family,
+                {"model_name": model_name, "engine": str(index)},
+                max_model_len,
+                max_num_batched_tokens,
+                cache_info,
+            )
+            for index in range(num_engines)
+        ]
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats,
+        iteration_stats: IterationStats | None = None,
+        engine_index: int = 0,
+    ) -> None:
+        """Take one step's snapshot of engine `engine_index`: gauges are set, counters and
+        histograms get the step's increments."""
+        self._engines[engine_index].record(scheduler_stats, iteration_stats)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (serve with `content_type`)."""
+        return generate_latest(self.registry)
+
+
+class _EngineMetrics:
+    """One engine's series in each family, and its last cumulative counts."""
+
+    def __init__(
+        self,
+        family: Callable[..., Any],
+        labels: dict[str, str],
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        cache_info: dict[str, str] | None,
+    ) -> None:
         def gauge(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, LABEL_NAMES, registry=self.registry).labels(**labels)
+            return family(Gauge, name, documentation, LABEL_NAMES).labels(**labels)
 
         def counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, LABEL_NAMES, registry=self.registry).labels(
-                **labels
-            )
+            return family(Counter, name, documentation, LABEL_NAMES).labels(**labels)
 
         def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
-            return Histogram(
-                name, documentation, LABEL_NAMES, buckets=buckets, registry=self.registry
-            ).labels(**labels)
+            return family(Histogram, name, documentation, LABEL_NAMES, buckets=buckets).labels(
+                **labels
+            )
 
         # Scheduler state.
         self.num_requests_running = gauge(
@@ -218,11 +264,11 @@ class PrometheusStatLogger:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        success = Counter(
+        success = family(
+            Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*LABEL_NAMES, "finished_reason"],
-            registry=self.registry,
         )
         # Every reason is exported from the start, at 0, as vLLM does.
         self.request_success = {
@@ -296,12 +342,12 @@ class PrometheusStatLogger:
         )
         if cache_info is not None:
             # An info metric as vLLM exports it: a gauge at 1 whose labels are the settings.
-            info = {**{k: str(v) for k, v in cache_info.items()}, "engine": engine}
-            Gauge(
+            info = {**{k: str(v) for k, v in cache_info.items()}, "engine": labels["engine"]}
+            family(
+                Gauge,
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig",
                 list(info),
-                registry=self.registry,
             ).labels(**info).set(1)
         # Evictions, which no other engine shows.
         self.request_max_token_gap = histogram(
@@ -323,10 +369,8 @@ class PrometheusStatLogger:
         self._last_prefix_cache_hits = 0
 
     def record(
-        self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None = None
+        self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None
     ) -> None:
-        """Take one step's snapshot: gauges are set, counters and histograms get the step's
-        increments."""
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
@@ -380,7 +424,3 @@ class PrometheusStatLogger:
             )
         if finished.num_generation_tokens >= 2:
             self.request_max_token_gap.observe(finished.max_token_gap_s)
-
-    def render(self) -> bytes:
-        """The registry in Prometheus text format (serve with `content_type`)."""
-        return generate_latest(self.registry)

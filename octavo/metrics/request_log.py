@@ -47,7 +47,12 @@ class RequestLogWriter:
             raise ValueError(f"request_log={path!r} cannot be opened for appending: {exc}") from exc
         self.path = path
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats,
+        iteration_stats: IterationStats,
+        engine_index: int = 0,
+    ) -> None:
         for finished in iteration_stats.finished_requests:
             self._file.write(json.dumps(request_log_entry(finished)) + "\n")
 

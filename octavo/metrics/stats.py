@@ -33,6 +33,26 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
 
+    @classmethod
+    def combined(cls, stats: list[SchedulerStats]) -> SchedulerStats:
+        """Several engines' snapshots as one (data-parallel replicas): counts add up, the KV
+        usage is that of all their blocks together."""
+        num_blocks = sum(s.num_blocks for s in stats)
+        return cls(
+            num_running_reqs=sum(s.num_running_reqs for s in stats),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+            kv_cache_usage=(
+                sum(s.kv_cache_usage * s.num_blocks for s in stats) / num_blocks
+                if num_blocks
+                else 0.0
+            ),
+            num_preemptions=sum(s.num_preemptions for s in stats),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+            num_free_blocks=sum(s.num_free_blocks for s in stats),
+            num_blocks=num_blocks,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequestStats:
@@ -85,6 +105,12 @@ class IterationStats:
 
 class StatLogger(Protocol):
     """Anything the engine hands each step's stats to, on the engine thread: cheap, and
-    never raising into the step."""
+    never raising into the step. `engine_index` names the engine (the data-parallel replica)
+    whose step it was; 0 where there is one."""
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+    def record(
+        self,
+        scheduler_stats: SchedulerStats,
+        iteration_stats: IterationStats,
+        engine_index: int = 0,
+    ) -> None: ...

@@ -156,6 +156,38 @@ def test_record_turns_stats_into_increments() -> None:
     assert value("vllm:request_num_preemptions_bucket", {**MODEL, "le": "1.0"}) == 3
 
 
+def test_each_engine_has_its_own_series_in_one_family() -> None:
+    cache = {"block_size": "16", "num_gpu_blocks": "64"}
+    logger = PrometheusStatLogger("m", cache_info=cache, num_engines=2)
+    value = logger.registry.get_sample_value
+    engine0, engine1 = MODEL, {**MODEL, "engine": "1"}
+    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_hits=32), None, 0)
+    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_hits=16), None, 1)
+    # Each engine's cumulative counts are its own: 1's later snapshot adds only its increment.
+    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_hits=48), None, 1)
+    assert value("vllm:num_requests_running", engine0) == 3
+    assert value("vllm:num_requests_running", engine1) == 2
+    assert value("vllm:prefix_cache_hits_total", engine0) == 32
+    assert value("vllm:prefix_cache_hits_total", engine1) == 48
+    text = logger.render().decode()
+    # One family per name (a dashboard sums over `engine`), every engine's info series.
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    for engine in ("0", "1"):
+        info = f'block_size="16",engine="{engine}",num_gpu_blocks="64"'
+        assert f"vllm:cache_config_info{{{info}}} 1.0" in text
+
+
+def test_combined_scheduler_stats_add_up_and_weigh_usage_by_blocks() -> None:
+    combined = SchedulerStats.combined(
+        [
+            SchedulerStats(2, 1, 0.5, 1, 40, 16, 50, 100),
+            SchedulerStats(1, 0, 0.25, 0, 10, 0, 225, 300),
+        ]
+    )
+    assert combined == SchedulerStats(3, 1, (50 + 75) / 400, 1, 50, 16, 275, 400)
+    assert SchedulerStats.combined([]) == SchedulerStats()
+
+
 def test_buckets() -> None:
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]

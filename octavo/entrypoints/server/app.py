@@ -410,6 +410,7 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
             "enable_prefix_caching": cache.enable_prefix_caching,
             "sliding_window": cache.sliding_window,
         },
+        num_engines=engine.num_replicas,
     )
     engine.add_stat_logger(stat_logger)
     return build_app(async_engine, config, stat_logger)
