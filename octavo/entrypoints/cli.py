@@ -183,6 +183,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """`octavo router`'s flags (entrypoints/router.py)."""
+    parser.add_argument(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a server to route to (http://host:port); repeat for each",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often each backend's /health is asked",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for a backend's next bytes",
+    )
+
+
 def _string_list(text: str | None, default: tuple[str, ...] = ()) -> tuple[str, ...]:
     """A JSON list or comma-separated values (vLLM's CORS flags take JSON lists)."""
     if not text:
@@ -325,6 +352,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     from octavo.bench.plan import add_plan_args
 
+    router = commands.add_parser(
+        "router",
+        help="one OpenAI-compatible address in front of several servers, routing by cached "
+        "prefix and load",
+    )
+    add_router_args(router)
+
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
     add_plan_args(plan)
 
@@ -455,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.machine import run_machine
 
             return run_machine(ns)
+        if ns.command == "router":
+            from octavo.entrypoints.router import run_router
+
+            return run_router(ns)
         if ns.command == "plan":
             from octavo.bench.plan import run_plan
 
