@@ -41,6 +41,8 @@ QUANTIZATIONS = (
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # vLLM's cap on the logprobs a request may ask for per position.
+# vLLM's names for how the ranks of a tensor-parallel model run.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 DEFAULT_MAX_LOGPROBS = 20
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
@@ -166,6 +168,9 @@ class EngineConfig:
     served_model_names: tuple[str, ...] = ()
     # Most logprobs a request may ask for per position; -1: the vocabulary.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # Ranks the model is split over (worker/executor.py); each holds 1 / tensor_parallel_size
+    # of every token's KV.
+    tensor_parallel_size: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -377,6 +382,20 @@ class EngineArgs:
     huge_pages: bool = setting(
         True, "allocate the KV cache and packed or block weights in 2 MiB pages"
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks the model's heads, MLP columns and vocabulary are split over, each a process of "
+        "its own (joined by torch.distributed: gloo on a CPU, NCCL on CUDA) with its share of "
+        "the CPUs and of every token's KV",
+        short="-tp",
+    )
+    distributed_executor_backend: str | None = setting(
+        None,
+        "how the tensor-parallel ranks run: mp (processes on this machine, the default above "
+        "one rank) or uni (one rank, in the engine's process); ray and external_launcher are "
+        "refused for now (issue 26)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
     data_parallel_size: int = setting(
         1,
         "engine-core processes, each with its own scheduler and KV pool, behind one API "
@@ -395,6 +414,26 @@ class EngineArgs:
         names = self.served_model_name
         if isinstance(names, (list, tuple)) and not (names and all(names)):
             raise ValueError("served_model_name must name at least one model.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
+        backend = self.distributed_executor_backend
+        if backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"distributed_executor_backend must be one of "
+                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got {backend!r}."
+            )
+        if backend in ("ray", "external_launcher"):
+            raise ValueError(
+                f"distributed_executor_backend={backend!r} is not supported yet (issue 26): mp "
+                "runs the tensor-parallel ranks as processes on this machine."
+            )
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank; tensor_parallel_size="
+                f"{self.tensor_parallel_size} needs mp."
+            )
         if self.data_parallel_size < 1:
             raise ValueError(
                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}."
@@ -587,6 +626,7 @@ class EngineArgs:
             request_log=self.request_log,
             chat_template=load_chat_template(self.chat_template),
             quantization=self.quantization,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _num_kv_blocks(

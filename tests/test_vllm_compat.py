@@ -118,8 +118,8 @@ def test_each_vllm_flag_parses_and_says_what_it_does(flag):
 
 def test_parallel_sizes_of_one_pass_and_more_are_refused_naming_the_issue():
     assert check_namespace(serve_parser().parse_args(["-tp", "1", "-pp", "1", "-dp", "1"])) == []
-    with pytest.raises(VllmFlagRefused, match=r"--tensor-parallel-size 2: not supported.*26"):
-        check_namespace(serve_parser().parse_args(["--tensor-parallel-size", "2"]))
+    with pytest.raises(VllmFlagRefused, match=r"--pipeline-parallel-size 2: not supported.*26"):
+        check_namespace(serve_parser().parse_args(["--pipeline-parallel-size", "2"]))
     with pytest.raises(VllmFlagRefused, match="--no-enable-chunked-prefill: not supported"):
         check_namespace(serve_parser().parse_args(["--no-enable-chunked-prefill"]))
     assert check_namespace(serve_parser().parse_args(["--enable-chunked-prefill"])) == []
@@ -214,12 +214,12 @@ def test_max_logprobs_parses_and_bounds_the_offline_api():
 
 def test_llm_keywords_of_vllm_are_held_to_their_flags_dispositions(caplog):
     with caplog.at_level(logging.INFO):
-        notes = check_keywords({"trust_remote_code": True, "tensor_parallel_size": 1})
+        notes = check_keywords({"trust_remote_code": True, "pipeline_parallel_size": 1})
     assert notes == [
         f"trust_remote_code has no effect here: {DISPOSITIONS['trust_remote_code'].reason}"
     ]
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: not supported"):
-        check_keywords({"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2: not supported"):
+        check_keywords({"pipeline_parallel_size": 2})
     with pytest.raises(TypeError, match="no_such_keyword"):
         check_keywords({"no_such_keyword": 1})
 

@@ -174,5 +174,10 @@ class EngineCore:
         """Raise AssertionError if the scheduler's queues or the block pool disagree."""
         self.scheduler.check_integrity()
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker has gone)."""
+        self.model_runner.check_health()
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        self.model_runner.shutdown()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -36,10 +37,13 @@ from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import FinishReason
 from octavo.engine import serial
 from octavo.engine.core import EngineCore
+from octavo.worker.executor import WorkerDeadError
 
 logger = logging.getLogger(__name__)
 
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+# While idle, how often the loop checks that it could still step (tensor-parallel workers).
+_IDLE_POLL_MS = 1000
 
 # What a frontend may call on the core between steps, by name (a "utility" message).
 UTILITY_METHODS = frozenset(
@@ -70,6 +74,11 @@ def run_engine_core(
     replica's share), None for all the process was given."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The frontend started this process as a daemon (ended with it); that flag would forbid
+    # children of its own, the tensor-parallel workers, which end with this process anyway
+    # (each watches a pipe to it). The flag is only this process's copy: the frontend still
+    # ends it on exit.
+    multiprocessing.current_process().daemon = False
     name = "%(name)s" if args.data_parallel_size == 1 else f"[engine {engine_index}] %(name)s"
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
     try:
@@ -154,6 +163,13 @@ class EngineCoreLoop:
         while True:
             idle = not core.has_unfinished_requests() and not self._failed
             commands = self._read_commands(block=idle)
+            if idle and not commands:  # the poll timed out: still able to step?
+                try:
+                    core.check_health()
+                except Exception:
+                    logger.exception("the engine cannot step any more")
+                    return 1
+                continue
             stopping = False
             for command in commands:
                 stopping = self._apply(command) or stopping
@@ -166,6 +182,12 @@ class EngineCoreLoop:
                 continue
             try:
                 step = core.step()
+            except WorkerDeadError as exc:
+                # Not this step's fault: the executor has lost a rank for good.
+                logger.error("engine step failed: %s", exc)
+                self._abort_all()
+                self.outputs.send(serial.pack(["failed", f"{exc}"]))
+                return 1
             except Exception as exc:
                 num_failures += 1
                 logger.exception("engine step failed (%d in a row)", num_failures)
@@ -180,7 +202,7 @@ class EngineCoreLoop:
     def _read_commands(self, block: bool) -> list[list[Any]]:
         commands = []
         if block:
-            self._poller.poll()
+            self._poller.poll(_IDLE_POLL_MS)
         while True:
             try:
                 commands.append(serial.unpack(self.inputs.recv(zmq.NOBLOCK)))

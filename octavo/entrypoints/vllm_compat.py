@@ -116,7 +116,6 @@ GROUP_DEFAULTS: dict[str, Disposition] = {
 
 DISPOSITIONS: dict[str, Disposition] = {
     # --- parallelism: size 1 is what octavo does; more is issue 26.
-    "tensor_parallel_size": _only(_is_one, "tensor parallelism: " + SCALE_OUT),
     "pipeline_parallel_size": _only(_is_one, "pipeline parallelism: " + SCALE_OUT),
     "data_parallel_size_local": _only(_is_one, "data parallelism: " + SCALE_OUT),
     "decode_context_parallel_size": _only(_is_one, "context parallelism: " + NOT_PLANNED),

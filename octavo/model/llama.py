@@ -29,9 +29,13 @@ from octavo.model.layers.moe import SparseMoE
 from octavo.model.layers.norm import HeadRMSNorm, RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.layers.weights import load_checkpoint_weights
+from octavo.model.parallel import TRIVIAL, TPGroup
 
 
 class LlamaAttention(nn.Module):
+    # The ranks its heads are split over (model/parallel.py); o_proj's outputs are summed.
+    tp: TPGroup = TRIVIAL
+
     def __init__(self, config: ModelConfig, backend: ModelBackend, layer: int = 0) -> None:
         """`layer`: this layer's index (its sliding window, if it has one)."""
         super().__init__()
@@ -92,7 +96,7 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : q.shape[1] + k.shape[1]].view(num_tokens, -1, self.head_dim)
             q, k = self.ops.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         attn_output = self.attn(q, k, v, kv_cache, attn_plan)  # (num_tokens, q_size)
-        return self.o_proj(attn_output)
+        return self.tp.all_reduce(self.o_proj(attn_output))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -226,6 +230,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # The decoder stack's class (a family with its own layer names its own).
     model_class: ClassVar[type[nn.Module]] = LlamaModel
+    # The ranks the model is split over: lm_head holds this rank's share of the vocabulary.
+    tp: TPGroup = TRIVIAL
     # Checkpoint projection -> (packed module, shard): q/k/v and gate/up run as one matmul each.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -270,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             logits = self.model.embed_tokens.head_format.matmul(hidden_states, None).float()
         else:
-            logits = self.lm_head(hidden_states).float()
+            logits = self.tp.all_gather(self.lm_head(hidden_states).float())
         if self.logits_scaling != 1.0:  # Granite
             logits = logits / self.logits_scaling
         if self.final_logit_softcapping:  # Gemma 2

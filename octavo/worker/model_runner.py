@@ -100,6 +100,12 @@ class ModelRunner:
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}
 
+    def check_health(self) -> None:
+        """Nothing can fail here between steps (the tensor-parallel executor's workers can)."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop in process (the tensor-parallel executor stops its workers)."""
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's deltas to the persistent batch, run the model once, sample. A

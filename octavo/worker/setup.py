@@ -18,6 +18,7 @@ from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.config import ModelConfig
 from octavo.model.loader import load_model, read_model_config, resolve_model_path
 from octavo.model.loader.safetensors import weight_files
+from octavo.model.parallel import TRIVIAL, TPGroup, incompatibility, rank_model_config
 from octavo.worker.device import TORCH_DTYPES, probe_platform
 from octavo.worker.model_runner import ModelRunner
 
@@ -52,13 +53,15 @@ def bound_matmul_shape_caches() -> None:
 
 
 def probe(args: EngineArgs) -> EngineFacts:
-    """The machine and the model's config (headers only: no weights are read)."""
+    """The machine and the model's config (headers only: no weights are read). Raises
+    ValueError for a tensor_parallel_size the model does not split over."""
     model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+    model_config = read_model_config(model_path)
+    reason = incompatibility(model_config, args.tensor_parallel_size)
+    if reason is not None:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: {reason}.")
     return EngineFacts(
-        probe_platform(args.device),
-        model_path,
-        read_model_config(model_path),
-        weight_file_bytes(model_path),
+        probe_platform(args.device), model_path, model_config, weight_file_bytes(model_path)
     )
 
 
@@ -72,7 +75,19 @@ def weight_file_bytes(model_path: str) -> int:
 
 def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]:
     """The backend select_backend picks for the config, the model loaded with it, and the
-    runner over them (which allocates the KV cache)."""
+    runner over them (which allocates the KV cache); with tensor_parallel_size > 1, the
+    executor over that many ranks (worker/executor.py), with rank 0's backend."""
+    if config.tensor_parallel_size > 1:
+        from octavo.worker.executor import MultiprocExecutor
+
+        executor = MultiprocExecutor(config)
+        return executor, executor.backend  # type: ignore[return-value]
+    return build_rank_runner(config, TRIVIAL)
+
+
+def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, ModelBackend]:
+    """One tensor-parallel rank's: its model share and a runner whose KV cache holds its
+    heads (the whole model for the trivial group)."""
     bound_matmul_shape_caches()
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
@@ -83,6 +98,8 @@ def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]
         config.backend,
         TORCH_DTYPES[config.weight_dtype] if config.weight_dtype else None,
     )
-    model, model_config = load_model(config.model, backend, config.quantization)
-    runner = ModelRunner(model, model_config, config.cache, config.scheduler, backend)
+    model, model_config = load_model(config.model, backend, config.quantization, tp)
+    runner = ModelRunner(
+        model, rank_model_config(model_config, tp.size), config.cache, config.scheduler, backend
+    )
     return runner, backend

@@ -14,6 +14,7 @@ import pytest
 import octavo.engine.tokenizer as tokenizer_module
 import octavo.worker.setup as setup_module
 from octavo import LLM
+from octavo.model.parallel import TRIVIAL
 
 
 def _shared_load_model():
@@ -22,7 +23,9 @@ def _shared_load_model():
     load_model = setup_module.load_model
     loaded = {}
 
-    def load(path, backend, quantization=None):
+    def load(path, backend, quantization=None, tp=TRIVIAL):
+        if tp.size > 1:  # a rank's share is its own
+            return load_model(path, backend, quantization, tp)
         key = (
             path,
             quantization,

@@ -87,6 +87,9 @@ class ModelBackend:
             self.fused_decode_layer = f"off: {reason}"
 
     def _fused_incompatibility(self, model: nn.Module) -> str | None:
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            return "tensor parallelism (the one-call layer has no all-reduce)"
         if not self.kernels:
             return "no CPU kernels"
         if self.dtype != torch.float32:

@@ -11,9 +11,13 @@ from torch import Tensor, nn
 
 from octavo.model.backends.base import LayerOps
 from octavo.model.layers.linear import Linear, PackedLinear
+from octavo.model.parallel import TRIVIAL, TPGroup
 
 
 class GatedMLP(nn.Module):
+    # The ranks its columns are split over (model/parallel.py); down_proj's outputs are summed.
+    tp: TPGroup = TRIVIAL
+
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool, act: str, ops: LayerOps
     ) -> None:
@@ -29,4 +33,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: (num_tokens, hidden) -> (num_tokens, hidden)."""
         gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * inter)
-        return self.down_proj(self.act_and_mul(gate_up))
+        return self.tp.all_reduce(self.down_proj(self.act_and_mul(gate_up)))

@@ -33,6 +33,7 @@ from octavo.model.loader.gguf import (
 from octavo.model.loader.hub import looks_like_repo_id, snapshot_folder
 from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import open_hf_checkpoint
+from octavo.model.parallel import TRIVIAL, TPGroup, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,10 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def load_model(
-    path: str, backend: ModelBackend, quantization: str | None = None
+    path: str,
+    backend: ModelBackend,
+    quantization: str | None = None,
+    tp: TPGroup = TRIVIAL,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
@@ -84,7 +88,8 @@ def load_model(
     dtype on its device and every linear weight in the format it chose, and the config. Raises
     ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF tensor
     type, a truncated or corrupt file, missing or unexpected tensors, and a quantization that
-    does not apply to the checkpoint.
+    does not apply to the checkpoint. With a `tp` group of more than one rank, the loaded model
+    is cut to this rank's share (model/parallel.py) before its weights get their formats.
     """
     source = _existing(path)
     start_s = time.perf_counter()
@@ -101,6 +106,11 @@ def load_model(
         raise
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    if tp.size > 1:
+        try:
+            shard_model(model, tp)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
     backend.prepare_model(model)
     num_params = sum(param.numel() for param in model.parameters())
     logger.info(
