@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -195,17 +194,9 @@ def _serve_tiny(folder, port: int) -> subprocess.Popen:
         "--tensor-parallel-size",
         "2",
     ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
-    while True:
-        if server.poll() is not None:
-            raise AssertionError(server.stderr.read().decode()[-3000:])
-        assert time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            time.sleep(0.25)
+    from tests.server.utils import start_server_process
+
+    return start_server_process(command, port)
 
 
 def _core_and_worker(server: subprocess.Popen) -> tuple[psutil.Process, psutil.Process]:

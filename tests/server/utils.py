@@ -45,6 +45,12 @@ def start_serve(port: int, *extra: str) -> subprocess.Popen:
         "2048",
         *extra,
     ]
+    return start_server_process(command, port)
+
+
+def start_server_process(command: list[str], port: int) -> subprocess.Popen:
+    """Run `command` (a server on 127.0.0.1:`port`) and return it once /health answers 200;
+    fails with the end of its stderr if it exits first."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while True:
