@@ -66,6 +66,7 @@ from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import SchedulerStats, StatLogger
 from octavo.structured_output import StructuredOutputManager
+from octavo.worker.device import split_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -138,26 +139,6 @@ class _CoreProcess:
         self.output.close()
 
 
-def split_cpus(num_replicas: int) -> list[list[int] | None]:
-    """Each replica's CPUs: the ones this process may use, in contiguous shares; None (all of
-    them, shared) for one replica or fewer CPUs than replicas."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if num_replicas == 1:
-        return [None]
-    if len(cpus) < num_replicas:
-        logger.warning(
-            "%d engine replicas on %d CPUs: they share every CPU", num_replicas, len(cpus)
-        )
-        return [None] * num_replicas
-    share, extra = divmod(len(cpus), num_replicas)
-    shares, begin = [], 0
-    for index in range(num_replicas):
-        end = begin + share + (index < extra)
-        shares.append(cpus[begin:end])
-        begin = end
-    return shares
-
-
 class MPEngine:
     """The frontend of one or more engine-core processes (`data_parallel_size` replicas, each
     its own scheduler and KV pool), with the parts of LLMEngine's interface the server uses
@@ -171,7 +152,12 @@ class MPEngine:
         num_replicas = args.data_parallel_size
         self.cores: list[_CoreProcess] = []
         try:
-            for index, cpus in enumerate(split_cpus(num_replicas)):
+            shares = split_cpus(num_replicas)
+            if num_replicas > 1 and shares[0] is None:
+                logger.warning(
+                    "%d engine replicas on fewer CPUs: they share every CPU", num_replicas
+                )
+            for index, cpus in enumerate(shares):
                 self.cores.append(_CoreProcess(index, args, self._context, self._dir, cpus))
             # They load their models side by side.
             deadline = time.monotonic() + STARTUP_TIMEOUT_S

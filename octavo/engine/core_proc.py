@@ -18,6 +18,7 @@ Must not: tokenize, detokenize or look at text (the frontend does), or block on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
@@ -37,7 +38,7 @@ from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import FinishReason
 from octavo.engine import serial
 from octavo.engine.core import EngineCore
-from octavo.worker.executor import WorkerDeadError
+from octavo.worker.executor import WorkerDeadError, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,11 @@ def run_engine_core(
             CoreInfo(config, runner.vocab_size, eos, dict(runner.model_config.sampling_defaults)),
         )
     )
+    # Never outlive the frontend (a frontend that shuts down cleanly joins the core first).
     # The sockets' folder is the frontend's; if it dies, the core clears it as it leaves.
     socket_dir = os.path.dirname(input_address.removeprefix("ipc://"))
-    threading.Thread(target=_exit_with_frontend, args=(conn, socket_dir), daemon=True).start()
+    clear = functools.partial(shutil.rmtree, socket_dir, ignore_errors=True)
+    threading.Thread(target=exit_with_parent, args=(conn, clear), daemon=True).start()
     freeze_startup_objects()
     context = zmq.Context()
     # Each sending side connects (see MPEngine.__init__).
@@ -132,18 +135,6 @@ def _cpu_list(cpus: list[int]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def _exit_with_frontend(conn: Connection, socket_dir: str) -> None:
-    """Block on the pipe; the frontend never writes to it, so this returns only when its end
-    closes. Then leave at once: nobody is left to read what this process makes. (A frontend
-    that shuts down cleanly joins the core first, so this does not run then.)"""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        pass
-    shutil.rmtree(socket_dir, ignore_errors=True)
-    os._exit(1)
 
 
 class EngineCoreLoop:

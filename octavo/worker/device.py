@@ -92,3 +92,22 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(available * _GPU_KV_SHARE)
     return min(int(available * _CPU_KV_SHARE), _CPU_KV_CAP_BYTES)
+
+
+def split_cpus(num_shares: int, equal: bool = False) -> list[list[int] | None]:
+    """The CPUs this process may use in `num_shares` contiguous shares (data-parallel
+    replicas, tensor-parallel ranks); the first ones get a CPU more where they do not divide,
+    unless `equal` (the leftover CPUs then go unused). None (every CPU, shared) for one share,
+    or for all of them when there are fewer CPUs than shares."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if num_shares == 1 or len(cpus) < num_shares:
+        return [None] * num_shares
+    share, extra = divmod(len(cpus), num_shares)
+    if equal:
+        extra = 0
+    shares, begin = [], 0
+    for index in range(num_shares):
+        end = begin + share + (index < extra)
+        shares.append(cpus[begin:end])
+        begin = end
+    return shares

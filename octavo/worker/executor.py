@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,6 +44,7 @@ from octavo.config import EngineConfig
 from octavo.core.outputs import ModelRunnerOutput
 from octavo.core.scheduler_output import SchedulerOutput
 from octavo.model.parallel import TPGroup
+from octavo.worker.device import split_cpus
 from octavo.worker.setup import build_rank_runner
 
 logger = logging.getLogger(__name__)
@@ -55,16 +57,6 @@ READY_TIMEOUT_S = 1800.0
 
 class WorkerDeadError(RuntimeError):
     """A tensor-parallel worker process has exited."""
-
-
-def split_cpus_evenly(num_ranks: int) -> list[list[int] | None]:
-    """Each rank's CPUs: equal contiguous shares of this process's (the same thread count on
-    every rank keeps their draws equal); None for all when there are fewer CPUs than ranks."""
-    cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // num_ranks
-    if share == 0:
-        return [None] * num_ranks
-    return [cpus[i * share : (i + 1) * share] for i in range(num_ranks)]
 
 
 def _free_port() -> int:
@@ -90,7 +82,8 @@ class MultiprocExecutor:
         size = config.tensor_parallel_size
         self.size = size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        shares = split_cpus_evenly(size)
+        # The same thread count on every rank keeps their draws equal.
+        shares = split_cpus(size, equal=True)
         # More ranks than CPUs: they share them, one thread each.
         threads = len(shares[0]) if shares[0] is not None else 1
         spawn = multiprocessing.get_context("spawn")
@@ -229,7 +222,7 @@ def run_worker(
         conn.send(("error", traceback.format_exc()))
         os._exit(1)
     conn.send(("ready", None))
-    threading.Thread(target=_exit_with_parent, args=(conn,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(conn,), daemon=True).start()
     while True:
         message: list[Any] = [None]
         try:
@@ -244,10 +237,14 @@ def run_worker(
     os._exit(0)
 
 
-def _exit_with_parent(conn: Connection) -> None:
-    """Returns only when the engine's process has closed its end of the pipe: leave."""
+def exit_with_parent(conn: Connection, before_exit: Callable[[], None] | None = None) -> None:
+    """Block on a pipe the parent never writes to, so this returns only when the parent's end
+    closes (it has gone, however it went); then run `before_exit` and leave at once: nobody
+    is left to read what this process makes. Run it on a daemon thread."""
     try:
         conn.recv()
     except (EOFError, OSError):
         pass
+    if before_exit is not None:
+        before_exit()
     os._exit(1)

@@ -17,9 +17,10 @@ import psutil
 import pytest
 
 from octavo.config import EngineArgs
-from octavo.engine.core_client import AsyncMPEngine, split_cpus
+from octavo.engine.core_client import AsyncMPEngine
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import make_server
+from octavo.worker.device import split_cpus
 
 from .conftest import API_KEY, MAX_MODEL_LEN, RunningServer
 from .utils import free_port, start_in_thread, start_serve
