@@ -37,6 +37,10 @@ from .tiny import (
 )
 
 kernels = pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
+tiles = pytest.mark.skipif(
+    not (build.load() and ops.quant_tiles_available()),
+    reason="no AMX tiles here: the CPU lacks amx_bf16 (or the OS does not give them)",
+)
 
 TYPES = list(BLOCK_TYPES)
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -143,6 +147,33 @@ def test_block_kernel_error_is_what_activation_rounding_explains(qtype):
     assert error.mean() > 0.005 * bound.mean()
 
 
+@tiles
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tile_kernel_is_the_float_product_of_bf16_rounded_operands(qtype):
+    """The AMX tile kernel multiplies the weights dequantized to bfloat16 (exactly, as
+    quant_dequantize rounds them) by x rounded to bfloat16, in float32: equal to that float
+    product up to float32 summation, within 1e-5 of the sum of |terms|. Blocks as the file has
+    them and repacked; 37 weight rows (a ragged 32-row tile); x rows of one tile, a ragged
+    second tile, and more than one 256-row pass."""
+    n = 37
+    for k in row_lengths(qtype):
+        blocks = blocks_of(qtype, n, k, seed=k)
+        weight = dequantize(blocks, qtype, k).bfloat16().float()
+        layouts = [(blocks, int(qtype))]
+        if ops.quant_repacked_type(qtype) != qtype:
+            layouts.append((ops.quant_repack(blocks, qtype, k), ops.quant_repacked_type(qtype)))
+        for m in (1, 16, 17, 33, 300):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                rounded = x.bfloat16().float()
+                expected = rounded @ weight.T
+                magnitude = rounded.abs() @ weight.abs().T
+                for layout, kind in layouts:
+                    got = ops.quant_linear_tiles(x, layout, kind, n)
+                    assert got.dtype == torch.float32 and got.shape == (m, n)
+                    assert ((got - expected).abs() <= 1e-5 * magnitude + 1e-6).all(), (k, m)
+
+
 # ------------------------------------------------------------------ the format
 
 
@@ -169,6 +200,27 @@ def test_quantized_weight_paths_against_the_dense_weight(qtype):
     ids = torch.tensor([5, 0, 47, 5])
     assert torch.equal(fmt.embedding(ids), dense.weight[ids])
     assert fmt.nbytes == n * k // BLOCK_TYPES[qtype].block_size * BLOCK_TYPES[qtype].type_size
+
+
+@tiles
+def test_quantized_weight_takes_the_tiles_between_its_two_limits():
+    """Rows above max_rows and up to tiles_max_rows go to the tile kernel (the bf16 GEMM's
+    rounding, float32 sums), more to dequantize-then-GEMM, fewer to the block kernel; the
+    weight has tiles only where its GEMM is a bfloat16 one."""
+    k, n = 512, 40
+    tensor = QuantizedTensor(blocks_of(Q.Q4_K, n, k, seed=3), Q.Q4_K, (n, k))
+    assert not QuantizedWeight(tensor, torch.float32, True, 2).tiles
+    fmt = QuantizedWeight(tensor, torch.float32, True, 2, gemm_dtype=torch.bfloat16)
+    assert fmt.tiles
+    fmt.tiles_max_rows = 8
+    x, bias = torch.randn(9, k), torch.randn(n)
+    assert torch.equal(fmt.matmul(x[:2], bias), fmt.kernel_matmul(x[:2]) + bias)
+    assert torch.equal(fmt.matmul(x[:8], bias), fmt.tiles_matmul(x[:8]) + bias)
+    assert torch.equal(fmt.matmul(x, bias), fmt.gemm_matmul(x, bias))
+    weight = tensor.dequantize().bfloat16().float()
+    rounded = x[:8].bfloat16().float()
+    got = fmt.matmul(x[:8], None)
+    assert ((got - rounded @ weight.T).abs() <= 1e-5 * (rounded.abs() @ weight.abs().T)).all()
 
 
 def test_concat_weight_stacks_its_parts():
@@ -292,25 +344,32 @@ def test_q4_k_m_like_mix_with_quantized_embeddings(tmp_path, monkeypatch):
 
 
 @kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize(
+    "arch, bf16_gemm",
+    [("llama", False), ("qwen2", False), ("llama", True)],  # qwen2: q/k/v biases
+)
 def test_one_call_decode_layers_on_blocks_equal_the_layer_by_layer_forward(
-    tmp_path, monkeypatch, arch
+    tmp_path, monkeypatch, arch, bf16_gemm
 ):
     """All-decode steps of a block-weight model run each layer as one ops.decode_layer call
     (projections of one or two block types, repacked or not), with the same logits bit for bit
     as the layers' own forward, also in a step of more rows than the block weights' max_rows,
-    where the call multiplies them by torch's GEMM as their formats do (a projection of two
-    types each on its own side of its limit included)."""
+    where the call multiplies them by torch's GEMM (or the AMX tiles) as their formats do (a
+    projection of two types each on its own side of its limit included)."""
     types = {}
     for i in range(2):
         for name, qtype in zip(LINEAR, (Q.Q4_K, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)):
             types[f"blk.{i}.{name}.weight"] = qtype
     tiny_quantized_gguf(tmp_path / "m.gguf", arch, types, seed=6)
-    model, backend = load(tmp_path / "m.gguf", max_rows=2)
+    model, backend = load(tmp_path / "m.gguf", max_rows=2, bf16_gemm=bf16_gemm)
     assert backend.fused_decode_layer == "on"
     qkv = model.model.layers[0].self_attn.qkv_proj.weight_format
     assert qkv.name == "Q4_K+Q8_0"
     qkv.parts[1].max_rows = 3  # the 3-row step: Q4_K by the GEMM, Q8_0 by the kernel
+    o_proj = model.model.layers[1].self_attn.o_proj.weight_format
+    assert o_proj.gemm_dtype == (torch.bfloat16 if bf16_gemm else torch.float32)
+    if o_proj.tiles:
+        o_proj.tiles_max_rows = 3
     model.model.fused_decode = fused.bind(model)
     calls = []
     decode_layer = ops.decode_layer

@@ -98,11 +98,15 @@ def cpu_backend(
     attention: str = "auto",
     max_rows: int | None = None,
     weight_dtype: torch.dtype | None = None,
+    bf16_gemm: bool = False,
 ) -> ModelBackend:
     """What select_backend gives a CPU engine with these dtypes and attention_backend.
     max_rows: the packed_max_rows setting (0: no packed or block kernel takes any matmul, so a
-    GGUF's blocks are dequantized and multiplied in float: the float reference)."""
-    config = BackendConfig(attention_backend=attention, packed_max_rows=max_rows)
+    GGUF's blocks are dequantized and multiplied in float: the float reference). bf16_gemm:
+    block weights above their kernel's limit multiply in bfloat16 (a native-bf16 CPU's)."""
+    config = BackendConfig(
+        attention_backend=attention, packed_max_rows=max_rows, bf16_dequantized_gemm=bf16_gemm
+    )
     return select_backend(torch.device("cpu"), dtype, kv_cache_dtype or dtype, config, weight_dtype)
 
 
@@ -113,9 +117,10 @@ def load(
     kv_cache_dtype: torch.dtype | None = None,
     max_rows: int | None = None,
     weight_dtype: torch.dtype | None = None,
+    bf16_gemm: bool = False,
 ) -> tuple[nn.Module, ModelBackend]:
     """load_model with cpu_backend(...): the model and the backend it was built with."""
-    backend = cpu_backend(dtype, kv_cache_dtype, attention, max_rows, weight_dtype)
+    backend = cpu_backend(dtype, kv_cache_dtype, attention, max_rows, weight_dtype, bf16_gemm)
     model, _ = load_model(str(path), backend)
     return model, backend
 

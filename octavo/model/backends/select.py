@@ -201,6 +201,7 @@ class ModelBackend:
             )
             if self.calibration is not None:
                 fmt.max_rows = self.calibration.quant_max_rows(fmt)
+                fmt.tiles_max_rows = self.calibration.quant_tiles_max_rows(fmt)
             formats.append(fmt)
         # The float parameter and the loaded blocks (a file's map, or a quantized checkpoint's
         # copy) go; the module keeps the blocks it now computes with.

@@ -68,6 +68,26 @@ def time_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dic
 # The batch sizes timed for a weight in GGML blocks: the block kernel's integer dot products
 # against dequantizing the weight for the call and torch's GEMM.
 QUANT_CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
+# The batch sizes timed for the AMX tile kernel against dequantizing the weight for the call.
+TILES_CALIBRATION_ROWS = (64, 128, 256, 512, 1024, 2048)
+
+
+def _timed_pair(
+    kernel: Callable[[Tensor], Tensor],
+    other: Callable[[Tensor], Tensor],
+    k: int,
+    dtype: torch.dtype,
+    repeats: int,
+) -> Callable[[int], tuple[float, float]]:
+    """timed(rows) -> best-of-`repeats` seconds of kernel(x) and other(x) for `rows` random
+    rows of k values, alternated."""
+
+    def timed(rows: int) -> tuple[float, float]:
+        x = torch.randn(rows, k, dtype=dtype)
+        times = time_interleaved({"kernel": lambda: kernel(x), "other": lambda: other(x)}, repeats)
+        return min(times["kernel"]), min(times["other"])
+
+    return timed
 
 
 def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
@@ -114,27 +134,35 @@ class MatmulCalibration:
         )
 
     def quant_max_rows(self, fmt: Any) -> int:
-        """The row limit for a formats.quantized.QuantizedWeight: its block kernel against
-        dequantize-then-GEMM (its gemm_matmul), timed at QUANT_CALIBRATION_ROWS smallest
-        first until the GEMM is faster (in two timings running), as packed_max_rows. The
-        fixed setting applies here too."""
+        """The row limit for a formats.quantized.QuantizedWeight: its block kernel against what
+        takes the rows above it (the AMX tile kernel where the weight has it, else dequantize-
+        then-GEMM, its gemm_matmul), timed at QUANT_CALIBRATION_ROWS smallest first until that
+        is faster (in two timings running), as packed_max_rows. The fixed setting applies here
+        too."""
         if self.fixed_rows is not None:
             return self.fixed_rows
         t = fmt.tensor
-        key = (tuple(t.shape), t.qtype.name, fmt.dtype, torch.get_num_threads())
-        x_full = torch.randn(QUANT_CALIBRATION_ROWS[-1], t.shape[1], dtype=fmt.dtype)
-
-        def timed(rows: int) -> tuple[float, float]:
-            x = x_full[:rows]
-            runs = {"kernel": lambda: fmt.kernel_matmul(x), "torch": lambda: fmt.gemm_matmul(x)}
-            times = time_interleaved(runs, self.repeats)
-            return min(times["kernel"]), min(times["torch"])
-
+        above = fmt.tiles_matmul if fmt.tiles else fmt.gemm_matmul
         return self._limit(
-            key,
+            (tuple(t.shape), t.qtype.name, fmt.dtype, torch.get_num_threads()),
             QUANT_CALIBRATION_ROWS,
-            timed,
+            _timed_pair(fmt.kernel_matmul, above, t.shape[1], fmt.dtype, self.repeats),
             f"{t.shape[0]} x {t.shape[1]} {t.qtype.name} weight: block kernel",
+            "AMX tiles" if fmt.tiles else "dequantized GEMM",
+        )
+
+    def quant_tiles_max_rows(self, fmt: Any) -> int:
+        """The row limit of the AMX tile kernel for a QuantizedWeight that has it (`tiles`),
+        against dequantize-then-GEMM, timed at TILES_CALIBRATION_ROWS as quant_max_rows; 0
+        where the weight has no tiles or under the fixed setting (which names one limit)."""
+        if self.fixed_rows is not None or not fmt.tiles:
+            return 0
+        t = fmt.tensor
+        return self._limit(
+            (tuple(t.shape), f"{t.qtype.name} tiles", fmt.dtype, torch.get_num_threads()),
+            TILES_CALIBRATION_ROWS,
+            _timed_pair(fmt.tiles_matmul, fmt.gemm_matmul, t.shape[1], fmt.dtype, self.repeats),
+            f"{t.shape[0]} x {t.shape[1]} {t.qtype.name} weight: AMX tiles",
             "dequantized GEMM",
         )
 

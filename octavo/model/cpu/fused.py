@@ -143,10 +143,10 @@ def _moe_kernel(mlp: nn.Module) -> MoeFeedForward | None:
 
 def _kernel_args(parts: list[list[tuple]]) -> tuple:
     """Projections' kernel parts (kernel_parts each) as the kernels take them: (weights,
-    kinds, rows, limits, each projection's count, the dtype block weights are dequantized to
-    above their limit)."""
+    kinds, rows, limits, tile limits, each projection's count, the dtype block weights are
+    dequantized to above their limits)."""
     flat = [part for projection in parts for part in projection]
-    gemm_dtypes = {part[4] for part in flat if part[4] is not None}
+    gemm_dtypes = {part[5] for part in flat if part[5] is not None}
     if len(gemm_dtypes) > 1:
         raise ValueError(f"a layer's block weights dequantize to {sorted(map(str, gemm_dtypes))}")
     return (
@@ -154,26 +154,37 @@ def _kernel_args(parts: list[list[tuple]]) -> tuple:
         [part[1] for part in flat],
         [part[2] for part in flat],
         [part[3] for part in flat],
+        [part[4] for part in flat],
         [len(projection) for projection in parts],
         gemm_dtypes.pop() if gemm_dtypes else torch.float32,
     )
 
 
-KernelPart = tuple[Tensor, int, int, int, torch.dtype | None]
+KernelPart = tuple[Tensor, int, int, int, int, torch.dtype | None]
 
 
 def kernel_parts(fmt: LinearWeight) -> list[KernelPart] | None:
-    """A projection's weight as the kernel's parts: (weight, kind, rows, limit, gemm dtype)
-    each, kind -1 for packed panels (limit -1: the kernel takes any batch) or the block type id
-    the block kernel reads, which takes up to `limit` rows (the format's max_rows) and torch's
-    GEMM on the blocks dequantized to the gemm dtype above; None where a part is neither (a
-    float part, or blocks without the kernels)."""
+    """A projection's weight as the kernel's parts: (weight, kind, rows, limit, tile limit,
+    gemm dtype) each, kind -1 for packed panels (limit -1: the kernel takes any batch) or the
+    block type id the block kernel reads, which takes up to `limit` rows (the format's
+    max_rows), the AMX tiles up to `tile limit` (tiles_max_rows) and torch's GEMM on the blocks
+    dequantized to the gemm dtype above; None where a part is neither (a float part, or blocks
+    without the kernels)."""
     if isinstance(fmt, PackedWeight):
-        return [(fmt.packed, -1, fmt.weight.shape[0], -1, None)]
+        return [(fmt.packed, -1, fmt.weight.shape[0], -1, 0, None)]
     if isinstance(fmt, QuantizedWeight):
         if not fmt.kernels:
             return None
-        return [(fmt.tensor.blocks, fmt.kernel_type, fmt.shape[0], fmt.max_rows, fmt.gemm_dtype)]
+        return [
+            (
+                fmt.tensor.blocks,
+                fmt.kernel_type,
+                fmt.shape[0],
+                fmt.max_rows,
+                fmt.tiles_max_rows,
+                fmt.gemm_dtype,
+            )
+        ]
     if isinstance(fmt, ConcatWeight):
         parts = [kernel_parts(part) for part in fmt.parts]
         if any(p is None or p[0][1] < 0 for p in parts):

@@ -97,6 +97,24 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     return torch.ops.octavo.quant_linear(x, blocks, int(qtype), n)
 
 
+def quant_tiles_available() -> bool:
+    """Whether quant_linear_tiles runs here: a build for a CPU with AMX-BF16, on an OS that
+    gives this process the tile registers."""
+    return bool(torch.ops.octavo.quant_tiles_available())
+
+
+def quant_linear_tiles(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
+    """As quant_linear (the same blocks, repacked or not), for many rows of x: the weights
+    dequantized to bfloat16 a few rows at a time into cache and multiplied with x rounded to
+    bfloat16 by AMX tile dot products, float32 sums. Returns (m, n) float32, the float32 product
+    of the bf16-rounded operands up to summation order. Only where quant_tiles_available()."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.octavo.quant_linear_tiles(x, blocks, int(qtype), n)
+
+
 def quant_repacked_type(qtype: int) -> int:
     """The id of the kernels' repacked layout of GGML type `qtype` in this build (every
     type but Q2_K and Q3_K, with AVX-512), or `qtype` itself where there is none."""
@@ -171,11 +189,13 @@ def decode_layer(
     the kernels above in the order the model's Python layer makes them (same results).
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
-    and sizes, (input_norm, post_norm, eps, weights, kinds, rows, limits, parts, gemm_dtype,
+    and sizes, (input_norm, post_norm, eps, weights, kinds, rows, limits, tile_limits, parts,
+    gemm_dtype,
     qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind,
     residual_multiplier, num_heads, num_kv_heads, head_dim, scale, window): the four
     projections' weights as parts (packed, or GGML blocks with their type id, the block kernel
-    up to `limits` rows and torch's GEMM in gemm_dtype above; decode_layer.cpp), optional
+    up to `limits` rows, the AMX tiles up to `tile_limits` and torch's GEMM in gemm_dtype
+    above; decode_layer.cpp), optional
     biases, optional q/k norm
     weights (qk_norm_kind 1: per head, Qwen3; 2: over the projections, OLMoE; 0: none) and
     the scale of each sublayer's output (Granite; fused.py builds them all); cos, sin: (num_tokens,
@@ -190,8 +210,9 @@ def decode_layer(
 def moe_feed_forward(x: Tensor, moe_args: tuple) -> Tensor:
     """A mixture-of-experts feed-forward (SparseMoE without a shared expert) over decode rows
     as one call, the same kernel and torch calls in the same order as its Python forward (same
-    results). moe_args: (weights, kinds, rows, limits, parts, gemm_dtype, top_k, renormalize),
-    parts the router's count, then each expert's gate_up and down (fused.py binds them)."""
+    results). moe_args: (weights, kinds, rows, limits, tile_limits, parts, gemm_dtype, top_k,
+    renormalize), parts the router's count, then each expert's gate_up and down (fused.py
+    binds them)."""
     return torch.ops.octavo.moe_feed_forward(x, *moe_args)
 
 

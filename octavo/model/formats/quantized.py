@@ -5,7 +5,10 @@ The blocks are all the weight there is: no float copy is held. Up to `max_rows` 
 blocks (model/cpu/csrc/quant_linear.cpp: x rounded to 8 bits per 32 values, integer dot
 products), reading each byte once; above it (prompt chunks, where the arithmetic is the cost)
 the weight is dequantized to the compute dtype for the call and multiplied by torch's GEMM.
-Without the kernels (another device, or the kernels off) every call takes that second path
+Between the two, where the CPU has AMX-BF16 and the GEMM is a bfloat16 one, the tile kernel
+(quant_linear_tiles) takes rows up to `tiles_max_rows`: the same bf16 rounding of the weight,
+dequantized a few rows at a time into cache instead of whole into memory, and AMX tile dot
+products. Without the kernels (another device, or the kernels off) every call takes that second path
 with the plain-torch dequantization, which is the reference the kernels are tested against.
 Where the kernels have a repacked layout of the type (all but Q2_K and Q3_K, with AVX-512), the
 blocks are held in it (`kernel_type`: the same bytes rearranged, which only the kernels read).
@@ -44,11 +47,24 @@ class QuantizedWeight(LinearWeight):
         if kernel_type is not None and not kernels:
             raise ValueError("a repacked layout needs the CPU kernels, which read it")
         self.name = tensor.qtype.name
+        # Rows up to which (above max_rows) the AMX tile kernel takes a matmul; 0: none. Only
+        # for a bfloat16 GEMM (its rounding is the one the tiles compute with).
+        self.tiles_max_rows = 0
+
+    @property
+    def tiles(self) -> bool:
+        """Whether the AMX tile kernel can take this weight's matmuls on this machine."""
+        if not (self.kernels and self.gemm_dtype == torch.bfloat16):
+            return False
+        from octavo.model.cpu import ops
+
+        return ops.quant_tiles_available()
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        if x.shape[0] > self.max_rows:
+        rows = x.shape[0]
+        if rows > max(self.max_rows, self.tiles_max_rows):
             return self.gemm_matmul(x, bias)
-        out = self.kernel_matmul(x)
+        out = self.kernel_matmul(x) if rows <= self.max_rows else self.tiles_matmul(x)
         if bias is not None:
             out += bias
         return out
@@ -59,6 +75,15 @@ class QuantizedWeight(LinearWeight):
 
         t = self.tensor
         out = ops.quant_linear(x, t.blocks, self.kernel_type, t.shape[0])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def tiles_matmul(self, x: Tensor) -> Tensor:
+        """x @ W^T by the AMX tile kernel (where `tiles`), in x's dtype: the float32 product of
+        W dequantized to bfloat16 and x rounded to it, as gemm_matmul's bf16 GEMM multiplies."""
+        from octavo.model.cpu import ops
+
+        t = self.tensor
+        out = ops.quant_linear_tiles(x, t.blocks, self.kernel_type, t.shape[0])
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def gemm_matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -13,36 +13,45 @@ namespace octavo {
 namespace {
 
 // Projections given as parts (see decode_layer): projection p is parts[p] consecutive entries
-// of weights / kinds / rows / limits, packed panels (kind -1, one part) or GGML blocks of one or
-// more types. A block part's limit is the most rows its kernel takes (the weight format's
-// max_rows; -1: any): above it the part is dequantized to gemm_dtype and multiplied by torch's
-// GEMM, as formats/quantized.py's QuantizedWeight.matmul does, so the results are the Python
-// formats' own.
+// of weights / kinds / rows / limits / tile_limits, packed panels (kind -1, one part) or GGML
+// blocks of one or more types. A block part's limit is the most rows its kernel takes (the
+// weight format's max_rows; -1: any); above it, up to its tile limit (tiles_max_rows; 0: none)
+// the AMX tile kernel takes it, and above that it is dequantized to gemm_dtype and multiplied
+// by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul does, so the results are
+// the Python formats' own.
 struct Projections {
   at::TensorList weights;
-  at::IntArrayRef kinds, rows, limits, parts;
+  at::IntArrayRef kinds, rows, limits, tile_limits, parts;
   at::ScalarType gemm_dtype;
   std::vector<int64_t> first;  // each projection's first entry
 
   Projections(at::TensorList weights_, at::IntArrayRef kinds_, at::IntArrayRef rows_,
-              at::IntArrayRef limits_, at::IntArrayRef parts_, at::ScalarType gemm_dtype_,
-              const char* op)
-      : weights(weights_), kinds(kinds_), rows(rows_), limits(limits_), parts(parts_),
+              at::IntArrayRef limits_, at::IntArrayRef tile_limits_, at::IntArrayRef parts_,
+              at::ScalarType gemm_dtype_, const char* op)
+      : weights(weights_), kinds(kinds_), rows(rows_), limits(limits_),
+        tile_limits(tile_limits_), parts(parts_),
         gemm_dtype(gemm_dtype_), first(parts_.size() + 1, 0) {
     for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
     TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
                     kinds.size() == weights.size() && rows.size() == weights.size() &&
-                    limits.size() == weights.size(),
-                op, ": one kind, row count and row limit per weight part");
+                    limits.size() == weights.size() && tile_limits.size() == weights.size(),
+                op, ": one kind, row count, row limit and tile limit per weight part");
   }
 
   bool kernel_takes(int64_t entry, int64_t m) const {
     return limits[entry] < 0 || m <= limits[entry];
   }
 
-  // x @ W^T (+ bias) for W the part at `entry` dequantized, by torch's GEMM
+  // x @ W^T (+ bias) for W the part at `entry` above its kernel's limit: by the AMX tiles up to
+  // its tile limit (QuantizedWeight.tiles_matmul), else dequantized, by torch's GEMM
   // (QuantizedWeight.gemm_matmul).
   at::Tensor gemm(const at::Tensor& x, int64_t entry, const c10::optional<at::Tensor>& bias) const {
+    if (x.size(0) <= tile_limits[entry]) {
+      at::Tensor out = quant_linear_tiles(x, weights[entry], kinds[entry], rows[entry]);
+      if (out.scalar_type() != x.scalar_type()) out = out.to(x.scalar_type());
+      if (bias.has_value()) out.add_(*bias);
+      return out;
+    }
     const bool kernel_dtype = gemm_dtype == at::kFloat || gemm_dtype == at::kBFloat16;
     at::Tensor w = quant_dequantize(weights[entry], kinds[entry], x.size(1),
                                     kernel_dtype ? gemm_dtype : at::kFloat);
@@ -99,13 +108,14 @@ struct Projections {
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
 // pack_linear_weight (packed_linear, one part), else the GGML block type id, repacked or not, of
-// blocks (quant_linear_parts) up to limits[i] rows and torch's GEMM on them dequantized to
-// gemm_dtype above (Projections), as the Python weight formats multiply them. The Python
+// blocks (quant_linear_parts) up to limits[i] rows, the AMX tiles up to tile_limits[i] and
+// torch's GEMM on them dequantized to gemm_dtype above (Projections), as the Python weight formats multiply them. The Python
 // wrapper checks the rest.
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
                         at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef limits,
-                        at::IntArrayRef parts, at::ScalarType gemm_dtype,
+                        at::IntArrayRef tile_limits, at::IntArrayRef parts,
+                        at::ScalarType gemm_dtype,
                         const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
                         const c10::optional<at::Tensor>& gate_up_bias,
@@ -121,7 +131,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(parts.size() == 4, "decode_layer: parts of four projections");
-  const Projections linear(weights, kinds, rows, limits, parts, gemm_dtype, "decode_layer");
+  const Projections linear(weights, kinds, rows, limits, tile_limits, parts, gemm_dtype,
+                           "decode_layer");
   rms_norm(hidden, residual, input_norm, eps, true);
   at::Tensor qkv = linear(hidden, 0, qkv_bias);
   at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
@@ -178,15 +189,17 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
 // router's logits, softmax in float32, top-k, renormalised if asked; one row runs its experts
 // in ascending order (scale, then add); more rows are grouped by expert (a stable sort of
 // the (row, choice) pairs), each expert runs once on its rows, and the scaled outputs are
-// summed per row in that order. weights, kinds, rows, limits and gemm_dtype as for
+// summed per row in that order. weights, kinds, rows, limits, tile_limits and gemm_dtype as for
 // decode_layer; parts: the router's count, then each expert's gate_up and down.
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
-                            at::IntArrayRef rows, at::IntArrayRef limits, at::IntArrayRef parts,
+                            at::IntArrayRef rows, at::IntArrayRef limits,
+                            at::IntArrayRef tile_limits, at::IntArrayRef parts,
                             at::ScalarType gemm_dtype, int64_t top_k, bool renormalize) {
   const int64_t num_experts = (static_cast<int64_t>(parts.size()) - 1) / 2;
   TORCH_CHECK(num_experts > 0 && static_cast<int64_t>(parts.size()) == 1 + 2 * num_experts,
               "moe_feed_forward: parts of the router and of each expert's two projections");
-  const Projections linear(weights, kinds, rows, limits, parts, gemm_dtype, "moe_feed_forward");
+  const Projections linear(weights, kinds, rows, limits, tile_limits, parts, gemm_dtype,
+                           "moe_feed_forward");
   TORCH_CHECK(0 < top_k && top_k <= num_experts, "moe_feed_forward: top_k of ", num_experts);
   auto expert = [&](const at::Tensor& in, int64_t e) {
     return linear(silu_and_mul(linear(in, 1 + 2 * e)), 2 + 2 * e);

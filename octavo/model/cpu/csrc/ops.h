@@ -39,6 +39,11 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
                             at::ScalarType dtype);
 at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k);
 int64_t quant_repacked_type(int64_t type);
+// x @ W^T for many rows by AMX-BF16 tiles on the weights dequantized a few rows at a time
+// (float32 sums of bf16-rounded operands), where quant_tiles_available().
+at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                              int64_t n);
+bool quant_tiles_available();
 
 // elementwise.cpp
 void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
@@ -52,7 +57,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
                         at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef limits,
-                        at::IntArrayRef parts, at::ScalarType gemm_dtype,
+                        at::IntArrayRef tile_limits, at::IntArrayRef parts,
+                        at::ScalarType gemm_dtype,
                         const c10::optional<at::Tensor>& qkv_bias,
                         const c10::optional<at::Tensor>& o_bias,
                         const c10::optional<at::Tensor>& gate_up_bias,
@@ -65,7 +71,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& seq_lens);
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
-                            at::IntArrayRef rows, at::IntArrayRef limits, at::IntArrayRef parts,
+                            at::IntArrayRef rows, at::IntArrayRef limits,
+                            at::IntArrayRef tile_limits, at::IntArrayRef parts,
                             at::ScalarType gemm_dtype, int64_t top_k, bool renormalize);
 
 // sampling.cpp

@@ -17,6 +17,9 @@
 
 #include <optional>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "ops.h"
 #include "quant_blocks.h"
 #include "simd.h"
@@ -562,7 +565,253 @@ inline void unpack_any(int64_t type, const uint8_t* row, int64_t k, const Unpack
   unpack_row(type, row, k, u);
 }
 
+// ---- AMX tiles: many rows on the weights dequantized to bfloat16 ----------------------------
+//
+// Where the CPU has AMX-BF16 (and the OS lets this process use its tile registers), a matmul
+// of more rows than the block kernel is best at runs here instead of dequantizing the whole
+// weight to memory for torch's GEMM: each thread dequantizes 32 weight rows at a time into a
+// buffer that stays in its L2 (bfloat16, exactly the rounding of quant_dequantize), and
+// multiplies it with x rounded to bfloat16 by tile dot products (tdpbf16ps: 16 x 16 outputs,
+// 32 products each, float32 sums). The weights stay in lane order (the chunks the block kernel
+// reads) and x is packed in the same order, which a dot product does not see. Results: the
+// float32 product of the bf16-rounded operands, up to float32 summation order.
+#if defined(OCTAVO_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define OCTAVO_AMX 1
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 the four 16 x 16 float sums (weight rows x x rows), 4-5 two 16-row slices of
+// dequantized weights (32 bf16 each), 6-7 two 16-row slices of x in the pair-interleaved
+// layout tdpbf16ps takes for its second operand. Every tile is 16 rows of 64 bytes.
+struct AmxTiles {
+  AmxTiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = 64;
+      config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~AmxTiles() { _tile_release(); }
+};
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kWeightTile = 2 * kTileRows;  // weight rows dequantized at a time
+constexpr int64_t kXPass = 256;                 // x rows per pass over the weights
+
+// 16 floats (lanes of one chunk vector's 16-byte quarter) from its bytes, scaled.
+template <bool kSigned>
+inline __m512 expand16(__m128i bytes, __m512 scale, __m512 bias) {
+  const __m512i q = kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias);
+}
+
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+}
+
+// A row's weights, chunk by chunk in lane order, as bfloat16 (kp of them; past k, zeros).
+template <bool kSigned, typename Chunks>
+void dequantize_lanes(const Chunks& chunks, int64_t kp, c10::BFloat16* out) {
+  // Byte b of a chunk vector is in lane b / 4: quarter g of the vector (16 bytes) spans lanes
+  // 4g..4g+3, each four times.
+  __m512i spread[4];
+  for (int g = 0; g < 4; ++g) {
+    spread[g] = _mm512_setr_epi32(4 * g, 4 * g, 4 * g, 4 * g, 4 * g + 1, 4 * g + 1, 4 * g + 1,
+                                  4 * g + 1, 4 * g + 2, 4 * g + 2, 4 * g + 2, 4 * g + 2,
+                                  4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 3);
+  }
+  for (int64_t e = 0; e < kp; e += kChunk) {
+    __m512i wv[4];
+    __m512 ws, wb;
+    chunks(e, wv, ws, wb);
+    for (int g = 0; g < 4; ++g) {
+      const __m512 scale = _mm512_permutexvar_ps(spread[g], ws);
+      const __m512 bias = _mm512_permutexvar_ps(spread[g], wb);
+      for (int v = 0; v < 4; ++v) {
+        __m128i quarter;
+        switch (g) {
+          case 0: quarter = _mm512_extracti32x4_epi32(wv[v], 0); break;
+          case 1: quarter = _mm512_extracti32x4_epi32(wv[v], 1); break;
+          case 2: quarter = _mm512_extracti32x4_epi32(wv[v], 2); break;
+          default: quarter = _mm512_extracti32x4_epi32(wv[v], 3); break;
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e + 64 * v + 16 * g),
+                            to_bf16(expand16<kSigned>(quarter, scale, bias)));
+      }
+    }
+  }
+}
+
+// Weight rows [row0, row0 + count) of a part, dequantized into `rows` (kp apart; rows past
+// `count` up to kWeightTile are zeros).
+void dequantize_tile(int64_t type, const uint8_t* base, int64_t stride, int64_t k, int64_t row0,
+                     int64_t count, std::optional<RowBuffers>& buffers, c10::BFloat16* rows) {
+  const int64_t kp = padded(k), base_type = type & ~kRepacked;
+  const bool is_signed = base_type == kQ8_0;
+  for (int64_t r = 0; r < kWeightTile; ++r) {
+    c10::BFloat16* out = rows + r * kp;
+    if (r >= count) {
+      std::memset(static_cast<void*>(out), 0, kp * sizeof(c10::BFloat16));
+      continue;
+    }
+    const uint8_t* row = base + (row0 + r) * stride;
+    if (type & kRepacked) {
+      const RepackedChunks chunks{base_type, row, k / block_weights(base_type)};
+      is_signed ? dequantize_lanes<true>(chunks, kp, out) : dequantize_lanes<false>(chunks, kp, out);
+      continue;
+    }
+    if (!buffers) buffers.emplace(k);
+    const Unpacked w = buffers->view();
+    unpack_row(type, row, k, w);
+    std::memset(w.q + k, 0, kp - k);
+    to_lane_order(w.q, kp);
+    const UnpackedChunks chunks{w};
+    is_signed ? dequantize_lanes<true>(chunks, kp, out) : dequantize_lanes<false>(chunks, kp, out);
+  }
+}
+
+// x's rows [row0, row0 + m) as tdpbf16ps's second operand, in the weights' lane order: for
+// each 16 rows and each 32 values (16 pairs), 16 x 16 words, word (pair j, row r) the pair of
+// bf16 values at lane-order positions 2j, 2j + 1 of row r (zeros past the rows and past k).
+std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
+  const int64_t k = x.size(1), kp = padded(k), groups = (m + kTileRows - 1) / kTileRows;
+  std::vector<uint32_t> packed(groups * kTileRows * kp / 2, 0);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    std::vector<c10::BFloat16> row(kp, c10::BFloat16(0.f));
+    for (int64_t i = begin; i < end; ++i) {
+      if (x.scalar_type() == at::kBFloat16) {
+        std::memcpy(static_cast<void*>(row.data()), x.data_ptr<c10::BFloat16>() + (row0 + i) * k,
+                    k * sizeof(c10::BFloat16));
+      } else {
+        store_bf16(x.data_ptr<float>() + (row0 + i) * k, k, row.data());
+      }
+      uint32_t words[kChunk / 2];
+      uint32_t* group = packed.data() + (i / kTileRows) * kTileRows * kp / 2;
+      for (int64_t e = 0; e < kp; e += kChunk) {
+        // Lane-order word w (bytes 2w, 2w + 1 of the chunk: vector v = w / 32, lane l =
+        // (w % 32) / 2, half h = w % 2) holds in-order values 16 l + 4 v + 2 h and the next.
+        std::memcpy(words, row.data() + e, sizeof(words));
+        for (int64_t w = 0; w < kChunk / 2; ++w) {
+          const int64_t v = w / 32, l = (w % 32) / 2, h = w % 2;
+          const int64_t pair = (e / 2 + w);  // index among the row's lane-order pairs
+          group[(pair / 16) * 256 + (pair % 16) * 16 + i % kTileRows] = words[8 * l + 2 * v + h];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// out[i][j] for x rows [x0, x0 + xcount) against the kWeightTile dequantized weight rows
+// (`weights`, kp apart), output columns col0 + 0..wcount-1.
+template <int kGroups>
+void tile_products(const c10::BFloat16* weights, const uint32_t* xpacked, int64_t kp,
+                   int64_t xcount, int64_t wcount, float* out, int64_t out_stride) {
+  alignas(64) float sums[4][kTileRows * kTileRows];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t group_words = kTileRows * kp / 2;
+  for (int64_t e = 0; e < kp; e += 32) {
+    _tile_loadd(4, weights + e, kp * sizeof(c10::BFloat16));
+    _tile_loadd(5, weights + kTileRows * kp + e, kp * sizeof(c10::BFloat16));
+    _tile_loadd(6, xpacked + e / 2 * kTileRows, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (kGroups == 2) {
+      _tile_loadd(7, xpacked + group_words + e / 2 * kTileRows, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  if constexpr (kGroups == 2) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+  // sums[2 g + s][w * 16 + r]: weight row 16 s + w, x row 16 g + r.
+  for (int64_t i = 0; i < xcount; ++i) {
+    const int64_t g = i / kTileRows, r = i % kTileRows;
+    for (int64_t j = 0; j < wcount; ++j) {
+      out[i * out_stride + j] = sums[2 * g + j / kTileRows][(j % kTileRows) * kTileRows + r];
+    }
+  }
+}
+
+bool amx_permitted() {
+  // Linux hands out the tile registers' state per process, on request (ARCH_REQ_XCOMP_PERM
+  // for XFEATURE_XTILEDATA); a kernel without it answers no and the tiles stay unused.
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+#endif
+
 }  // namespace
+
+bool quant_tiles_available() {
+#ifdef OCTAVO_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                              int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+#ifdef OCTAVO_AMX
+  TORCH_CHECK(amx_permitted(), "quant_linear_tiles: this CPU or OS gives no AMX tiles");
+  if (m == 0 || n == 0) return out;
+  const int64_t kp = padded(k), stride = blocks.stride(0);
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = (n + kWeightTile - 1) / kWeightTile;
+  for (int64_t x0 = 0; x0 < m; x0 += kXPass) {
+    const int64_t rows = std::min(kXPass, m - x0);
+    const std::vector<uint32_t> xpacked = pack_x(x, x0, rows);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      AmxTiles amx;
+      std::vector<c10::BFloat16> weights(kWeightTile * kp);
+      std::optional<RowBuffers> buffers;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t col0 = t * kWeightTile, wcount = std::min(kWeightTile, n - col0);
+        dequantize_tile(type, base, stride, k, col0, wcount, buffers, weights.data());
+        for (int64_t i = 0; i < rows; i += 2 * kTileRows) {
+          const int64_t xcount = std::min(2 * kTileRows, rows - i);
+          const uint32_t* xp = xpacked.data() + (i / kTileRows) * kTileRows * kp / 2;
+          float* o = op + (x0 + i) * n + col0;
+          if (xcount > kTileRows) {
+            tile_products<2>(weights.data(), xp, kp, xcount, wcount, o, n);
+          } else {
+            tile_products<1>(weights.data(), xp, kp, xcount, wcount, o, n);
+          }
+        }
+      }
+    });
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "quant_linear_tiles: this build has no AMX path");
+  return out;
+#endif
+}
 
 int64_t quant_repacked_type(int64_t type) {
 #ifdef OCTAVO_INT8_512

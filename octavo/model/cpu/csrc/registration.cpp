@@ -54,6 +54,9 @@ TORCH_LIBRARY(octavo, m) {
   m.def("quant_linear_parts(Tensor x, Tensor[] blocks, int[] types, int[] rows) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int type, int k, ScalarType dtype) -> Tensor");
   m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
+  // Many rows on block weights by AMX tiles, where quant_tiles_available().
+  m.def("quant_linear_tiles(Tensor x, Tensor blocks, int type, int n) -> Tensor");
+  m.def("quant_tiles_available() -> bool", &octavo::quant_tiles_available);
   // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
   m.def("quant_repacked_type(int type) -> int", &octavo::quant_repacked_type);
   // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
@@ -72,7 +75,7 @@ TORCH_LIBRARY(octavo, m) {
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, "
       "Tensor post_norm, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] limits, "
-      "int[] parts, ScalarType gemm_dtype, "
+      "int[] tile_limits, int[] parts, ScalarType gemm_dtype, "
       "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
       "Tensor? q_norm, Tensor? k_norm, int qk_norm_kind, float residual_multiplier, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, int window, Tensor cos, "
@@ -80,7 +83,7 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
   m.def(
       "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] limits, "
-      "int[] parts, ScalarType gemm_dtype, int top_k, bool renormalize) -> Tensor");
+      "int[] tile_limits, int[] parts, ScalarType gemm_dtype, int top_k, bool renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
@@ -91,6 +94,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("quant_linear_parts", &octavo::quant_linear_parts);
   m.impl("quant_dequantize", &octavo::quant_dequantize);
   m.impl("quant_repack", &octavo::quant_repack);
+  m.impl("quant_linear_tiles", &octavo::quant_linear_tiles);
   m.impl("rms_norm", &octavo::rms_norm);
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);
