@@ -569,11 +569,14 @@ inline void unpack_any(int64_t type, const uint8_t* row, int64_t k, const Unpack
 //
 // Where the CPU has AMX-BF16 (and the OS lets this process use its tile registers), a matmul
 // of more rows than the block kernel is best at runs here instead of dequantizing the whole
-// weight to memory for torch's GEMM: each thread dequantizes 32 weight rows at a time into a
-// buffer that stays in its L2 (bfloat16, exactly the rounding of quant_dequantize), and
-// multiplies it with x rounded to bfloat16 by tile dot products (tdpbf16ps: 16 x 16 outputs,
-// 32 products each, float32 sums). The weights stay in lane order (the chunks the block kernel
-// reads) and x is packed in the same order, which a dot product does not see. Results: the
+// weight to memory for torch's GEMM. Each thread takes 32 weight rows at a time and walks
+// their length in slices of kSlice weights: a slice is dequantized into a 32 KB buffer that
+// stays in L1 (bfloat16, exactly the rounding of quant_dequantize) and multiplied with x
+// rounded to bfloat16 by tile dot products (tdpbf16ps: 16 x 16 outputs, 32 products each,
+// float32 sums), the sums kept in tile registers (up to 32 rows of x) or in memory between
+// slices. The weights stay in lane order (the chunks the block kernel reads; a row's last,
+// partial chunk without its padding: each of its four vectors cut to the 8p bytes of its p
+// blocks) and x is packed in the same order, which a dot product does not see. Results: the
 // float32 product of the bf16-rounded operands, up to float32 summation order.
 #if defined(OCTAVO_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define OCTAVO_AMX 1
@@ -602,8 +605,10 @@ struct AmxTiles {
 };
 
 constexpr int64_t kTileRows = 16;
-constexpr int64_t kWeightTile = 2 * kTileRows;  // weight rows dequantized at a time
+constexpr int64_t kWeightTile = 2 * kTileRows;  // weight rows dequantized together
+constexpr int64_t kSlice = 2 * kChunk;          // weights of a row per slice: 32 x 512 bf16 in L1
 constexpr int64_t kXPass = 256;                 // x rows per pass over the weights
+constexpr int64_t kTileFloats = kTileRows * kTileRows;
 
 // 16 floats (lanes of one chunk vector's 16-byte quarter) from its bytes, scaled.
 template <bool kSigned>
@@ -612,20 +617,30 @@ inline __m512 expand16(__m128i bytes, __m512 scale, __m512 bias) {
   return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias);
 }
 
-inline __m256i to_bf16(__m512 v) {
+// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even.
+inline __m512i to_bf16(__m512 lo, __m512 hi) {
 #ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 #else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  auto round = [](__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round(lo)), round(hi), 1);
 #endif
 }
 
-// A row's weights, chunk by chunk in lane order, as bfloat16 (kp of them; past k, zeros).
+// Weights of a partial last chunk of p blocks of 32 (k - e of them) in the tiles' order: each
+// chunk vector's first 8p values, one vector after another.
+inline int64_t partial_blocks(int64_t k, int64_t e) { return std::min<int64_t>(8, (k - e) / 32); }
+
+// A row of k weights, [e0, e1) of it (chunk-aligned e0), in lane order as bfloat16 at
+// out[0, e1 - e0), the last chunk compacted where it is partial.
 template <bool kSigned, typename Chunks>
-void dequantize_lanes(const Chunks& chunks, int64_t kp, c10::BFloat16* out) {
+void dequantize_lanes(const Chunks& chunks, int64_t k, int64_t e0, int64_t e1,
+                      c10::BFloat16* out) {
   // Byte b of a chunk vector is in lane b / 4: quarter g of the vector (16 bytes) spans lanes
   // 4g..4g+3, each four times.
   __m512i spread[4];
@@ -634,62 +649,90 @@ void dequantize_lanes(const Chunks& chunks, int64_t kp, c10::BFloat16* out) {
                                   4 * g + 1, 4 * g + 2, 4 * g + 2, 4 * g + 2, 4 * g + 2,
                                   4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 3);
   }
-  for (int64_t e = 0; e < kp; e += kChunk) {
+  for (int64_t e = e0; e < e1; e += kChunk) {
     __m512i wv[4];
     __m512 ws, wb;
     chunks(e, wv, ws, wb);
+    __m512 scale[4], bias[4];
     for (int g = 0; g < 4; ++g) {
-      const __m512 scale = _mm512_permutexvar_ps(spread[g], ws);
-      const __m512 bias = _mm512_permutexvar_ps(spread[g], wb);
+      scale[g] = _mm512_permutexvar_ps(spread[g], ws);
+      bias[g] = _mm512_permutexvar_ps(spread[g], wb);
+    }
+    const int64_t p = partial_blocks(k, e);
+    alignas(64) c10::BFloat16 partial[kChunk];
+    c10::BFloat16* o = p == 8 ? out + (e - e0) : partial;
+    for (int v = 0; v < 4; ++v) {
+      const __m512 q0 = expand16<kSigned>(_mm512_extracti32x4_epi32(wv[v], 0), scale[0], bias[0]);
+      const __m512 q1 = expand16<kSigned>(_mm512_extracti32x4_epi32(wv[v], 1), scale[1], bias[1]);
+      const __m512 q2 = expand16<kSigned>(_mm512_extracti32x4_epi32(wv[v], 2), scale[2], bias[2]);
+      const __m512 q3 = expand16<kSigned>(_mm512_extracti32x4_epi32(wv[v], 3), scale[3], bias[3]);
+      _mm512_storeu_si512(o + 64 * v, to_bf16(q0, q1));
+      _mm512_storeu_si512(o + 64 * v + 32, to_bf16(q2, q3));
+    }
+    if (p < 8) {
       for (int v = 0; v < 4; ++v) {
-        __m128i quarter;
-        switch (g) {
-          case 0: quarter = _mm512_extracti32x4_epi32(wv[v], 0); break;
-          case 1: quarter = _mm512_extracti32x4_epi32(wv[v], 1); break;
-          case 2: quarter = _mm512_extracti32x4_epi32(wv[v], 2); break;
-          default: quarter = _mm512_extracti32x4_epi32(wv[v], 3); break;
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e + 64 * v + 16 * g),
-                            to_bf16(expand16<kSigned>(quarter, scale, bias)));
+        std::memcpy(static_cast<void*>(out + (e - e0) + 8 * p * v), partial + 64 * v,
+                    8 * p * sizeof(c10::BFloat16));
       }
     }
   }
 }
 
-// Weight rows [row0, row0 + count) of a part, dequantized into `rows` (kp apart; rows past
-// `count` up to kWeightTile are zeros).
-void dequantize_tile(int64_t type, const uint8_t* base, int64_t stride, int64_t k, int64_t row0,
-                     int64_t count, std::optional<RowBuffers>& buffers, c10::BFloat16* rows) {
-  const int64_t kp = padded(k), base_type = type & ~kRepacked;
-  const bool is_signed = base_type == kQ8_0;
-  for (int64_t r = 0; r < kWeightTile; ++r) {
-    c10::BFloat16* out = rows + r * kp;
-    if (r >= count) {
-      std::memset(static_cast<void*>(out), 0, kp * sizeof(c10::BFloat16));
-      continue;
-    }
-    const uint8_t* row = base + (row0 + r) * stride;
-    if (type & kRepacked) {
-      const RepackedChunks chunks{base_type, row, k / block_weights(base_type)};
-      is_signed ? dequantize_lanes<true>(chunks, kp, out) : dequantize_lanes<false>(chunks, kp, out);
-      continue;
-    }
-    if (!buffers) buffers.emplace(k);
-    const Unpacked w = buffers->view();
-    unpack_row(type, row, k, w);
-    std::memset(w.q + k, 0, kp - k);
-    to_lane_order(w.q, kp);
-    const UnpackedChunks chunks{w};
-    is_signed ? dequantize_lanes<true>(chunks, kp, out) : dequantize_lanes<false>(chunks, kp, out);
-  }
-}
+// kWeightTile weight rows of one part, [row0, row0 + count): their chunks, sliced.
+struct WeightTile {
+  int64_t type, base_type, k, kp, count;
+  bool is_signed;
+  std::vector<const uint8_t*> rows;     // repacked rows
+  std::vector<RowBuffers> unpacked;     // other types: each row unpacked in lane order
 
-// x's rows [row0, row0 + m) as tdpbf16ps's second operand, in the weights' lane order: for
-// each 16 rows and each 32 values (16 pairs), 16 x 16 words, word (pair j, row r) the pair of
-// bf16 values at lane-order positions 2j, 2j + 1 of row r (zeros past the rows and past k).
+  WeightTile(int64_t type_, int64_t k_)
+      : type(type_), base_type(type_ & ~kRepacked), k(k_), kp(padded(k_)), count(0),
+        is_signed(base_type == kQ8_0), rows(kWeightTile) {
+    if (!(type & kRepacked)) {
+      for (int64_t r = 0; r < kWeightTile; ++r) unpacked.emplace_back(k);
+    }
+  }
+
+  void take(const uint8_t* base, int64_t stride, int64_t row0, int64_t count_) {
+    count = count_;
+    for (int64_t r = 0; r < count; ++r) {
+      rows[r] = base + (row0 + r) * stride;
+      if (!(type & kRepacked)) {
+        const Unpacked w = unpacked[r].view();
+        unpack_row(type, rows[r], k, w);
+        std::memset(w.q + k, 0, kp - k);
+        to_lane_order(w.q, kp);
+      }
+    }
+  }
+
+  // Weights [e0, e1) of every row into out (rows e1 - e0 apart; zeros past count).
+  void dequantize(int64_t e0, int64_t e1, c10::BFloat16* out) {
+    const int64_t len = e1 - e0;
+    for (int64_t r = 0; r < kWeightTile; ++r) {
+      c10::BFloat16* o = out + r * len;
+      if (r >= count) {
+        std::memset(static_cast<void*>(o), 0, len * sizeof(c10::BFloat16));
+      } else if (type & kRepacked) {
+        const RepackedChunks chunks{base_type, rows[r], k / block_weights(base_type)};
+        is_signed ? dequantize_lanes<true>(chunks, k, e0, e1, o)
+                  : dequantize_lanes<false>(chunks, k, e0, e1, o);
+      } else {
+        const UnpackedChunks chunks{unpacked[r].view()};
+        is_signed ? dequantize_lanes<true>(chunks, k, e0, e1, o)
+                  : dequantize_lanes<false>(chunks, k, e0, e1, o);
+      }
+    }
+  }
+};
+
+// x's rows [row0, row0 + m) as tdpbf16ps's second operand, in the weights' order
+// (dequantize_lanes): for each 16 rows and each 32 values (16 pairs), 16 x 16 words, word
+// (pair j, row r) the pair of bf16 values at positions 2j, 2j + 1 of row r (zeros past the
+// rows).
 std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
   const int64_t k = x.size(1), kp = padded(k), groups = (m + kTileRows - 1) / kTileRows;
-  std::vector<uint32_t> packed(groups * kTileRows * kp / 2, 0);
+  std::vector<uint32_t> packed(groups * kTileRows * k / 2, 0);
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     std::vector<c10::BFloat16> row(kp, c10::BFloat16(0.f));
     for (int64_t i = begin; i < end; ++i) {
@@ -700,13 +743,15 @@ std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
         store_bf16(x.data_ptr<float>() + (row0 + i) * k, k, row.data());
       }
       uint32_t words[kChunk / 2];
-      uint32_t* group = packed.data() + (i / kTileRows) * kTileRows * kp / 2;
-      for (int64_t e = 0; e < kp; e += kChunk) {
-        // Lane-order word w (bytes 2w, 2w + 1 of the chunk: vector v = w / 32, lane l =
-        // (w % 32) / 2, half h = w % 2) holds in-order values 16 l + 4 v + 2 h and the next.
+      uint32_t* group = packed.data() + (i / kTileRows) * kTileRows * k / 2;
+      for (int64_t e = 0; e < k; e += kChunk) {
+        // Word w of a chunk of p blocks (value 2w of its 4 x 8p: vector v = 2w / 8p, byte b =
+        // 2w % 8p of it, so lane l = b / 4, half h = b % 4 / 2) holds in-order values
+        // 16 l + 4 v + 2 h and the next.
         std::memcpy(words, row.data() + e, sizeof(words));
-        for (int64_t w = 0; w < kChunk / 2; ++w) {
-          const int64_t v = w / 32, l = (w % 32) / 2, h = w % 2;
+        const int64_t segment = 8 * partial_blocks(k, e);
+        for (int64_t w = 0; w < segment * 2; ++w) {
+          const int64_t v = 2 * w / segment, b = 2 * w % segment, l = b / 4, h = b % 4 / 2;
           const int64_t pair = (e / 2 + w);  // index among the row's lane-order pairs
           group[(pair / 16) * 256 + (pair % 16) * 16 + i % kTileRows] = words[8 * l + 2 * v + h];
         }
@@ -716,41 +761,85 @@ std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
   return packed;
 }
 
-// out[i][j] for x rows [x0, x0 + xcount) against the kWeightTile dequantized weight rows
-// (`weights`, kp apart), output columns col0 + 0..wcount-1.
+// Tiles 0-3 += a slice of 32 weight rows (`weights`, len apart) times one or two 16-row groups
+// of packed x at the same slice (`x`, the second group `group_words` on).
 template <int kGroups>
-void tile_products(const c10::BFloat16* weights, const uint32_t* xpacked, int64_t kp,
-                   int64_t xcount, int64_t wcount, float* out, int64_t out_stride) {
-  alignas(64) float sums[4][kTileRows * kTileRows];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t group_words = kTileRows * kp / 2;
-  for (int64_t e = 0; e < kp; e += 32) {
-    _tile_loadd(4, weights + e, kp * sizeof(c10::BFloat16));
-    _tile_loadd(5, weights + kTileRows * kp + e, kp * sizeof(c10::BFloat16));
-    _tile_loadd(6, xpacked + e / 2 * kTileRows, 64);
+inline void slice_products(const c10::BFloat16* weights, int64_t len, const uint32_t* x,
+                           int64_t group_words) {
+  const int64_t stride = len * sizeof(c10::BFloat16);
+  for (int64_t e = 0; e < len; e += 32) {
+    _tile_loadd(4, weights + e, stride);
+    _tile_loadd(5, weights + kTileRows * len + e, stride);
+    _tile_loadd(6, x + e / 2 * kTileRows, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
     if constexpr (kGroups == 2) {
-      _tile_loadd(7, xpacked + group_words + e / 2 * kTileRows, 64);
+      _tile_loadd(7, x + group_words + e / 2 * kTileRows, 64);
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, sums[0], 64);
-  _tile_stored(1, sums[1], 64);
-  if constexpr (kGroups == 2) {
-    _tile_stored(2, sums[2], 64);
-    _tile_stored(3, sums[3], 64);
-  }
-  // sums[2 g + s][w * 16 + r]: weight row 16 s + w, x row 16 g + r.
+}
+
+inline void store_sums(float* sums) {
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + kTileFloats, 64);
+  _tile_stored(2, sums + 2 * kTileFloats, 64);
+  _tile_stored(3, sums + 3 * kTileFloats, 64);
+}
+
+inline void load_sums(const float* sums) {
+  _tile_loadd(0, sums, 64);
+  _tile_loadd(1, sums + kTileFloats, 64);
+  _tile_loadd(2, sums + 2 * kTileFloats, 64);
+  _tile_loadd(3, sums + 3 * kTileFloats, 64);
+}
+
+// out[i][j] for 32 rows of x and 32 weight rows from their four tiles' sums: tile 2 g + s holds
+// weight rows 16 s + w against x rows 16 g + r at [w * 16 + r].
+inline void write_sums(const float* sums, int64_t xcount, int64_t wcount, float* out,
+                       int64_t out_stride) {
   for (int64_t i = 0; i < xcount; ++i) {
     const int64_t g = i / kTileRows, r = i % kTileRows;
     for (int64_t j = 0; j < wcount; ++j) {
-      out[i * out_stride + j] = sums[2 * g + j / kTileRows][(j % kTileRows) * kTileRows + r];
+      out[i * out_stride + j] =
+          sums[(2 * g + j / kTileRows) * kTileFloats + (j % kTileRows) * kTileRows + r];
     }
+  }
+}
+
+// One weight tile against `rows` rows of packed x, walking the weights slice by slice.
+void weight_tile_products(WeightTile& tile, c10::BFloat16* slice, const uint32_t* xpacked,
+                          int64_t rows, std::vector<float>& sums, float* out, int64_t out_stride) {
+  const int64_t k = tile.k, group_words = kTileRows * k / 2;
+  const int64_t pairs = (rows + 2 * kTileRows - 1) / (2 * kTileRows);  // 32-row groups of x
+  for (int64_t e0 = 0; e0 < k; e0 += kSlice) {
+    const int64_t e1 = std::min(k, e0 + kSlice), len = e1 - e0;
+    tile.dequantize(e0, e1, slice);
+    for (int64_t p = 0; p < pairs; ++p) {
+      // One pair of x groups keeps its sums in the tiles across slices; more take turns.
+      if (pairs > 1 || e0 == 0) {
+        if (e0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          load_sums(sums.data() + p * 4 * kTileFloats);
+        }
+      }
+      const uint32_t* x = xpacked + 2 * p * group_words + e0 / 2 * kTileRows;
+      if (rows - 2 * kTileRows * p > kTileRows) {
+        slice_products<2>(slice, len, x, group_words);
+      } else {
+        slice_products<1>(slice, len, x, group_words);
+      }
+      if (pairs > 1 || e1 == k) store_sums(sums.data() + p * 4 * kTileFloats);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    write_sums(sums.data() + p * 4 * kTileFloats, std::min(2 * kTileRows, rows - 2 * kTileRows * p),
+               tile.count, out + 2 * kTileRows * p * out_stride, out_stride);
   }
 }
 
@@ -779,7 +868,7 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int
 #ifdef OCTAVO_AMX
   TORCH_CHECK(amx_permitted(), "quant_linear_tiles: this CPU or OS gives no AMX tiles");
   if (m == 0 || n == 0) return out;
-  const int64_t kp = padded(k), stride = blocks.stride(0);
+  const int64_t stride = blocks.stride(0);
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = (n + kWeightTile - 1) / kWeightTile;
@@ -788,21 +877,13 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int
     const std::vector<uint32_t> xpacked = pack_x(x, x0, rows);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       AmxTiles amx;
-      std::vector<c10::BFloat16> weights(kWeightTile * kp);
-      std::optional<RowBuffers> buffers;
+      WeightTile tile(type, k);
+      std::vector<c10::BFloat16> slice(kWeightTile * kSlice);
+      std::vector<float> sums((rows + 2 * kTileRows - 1) / (2 * kTileRows) * 4 * kTileFloats);
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t col0 = t * kWeightTile, wcount = std::min(kWeightTile, n - col0);
-        dequantize_tile(type, base, stride, k, col0, wcount, buffers, weights.data());
-        for (int64_t i = 0; i < rows; i += 2 * kTileRows) {
-          const int64_t xcount = std::min(2 * kTileRows, rows - i);
-          const uint32_t* xp = xpacked.data() + (i / kTileRows) * kTileRows * kp / 2;
-          float* o = op + (x0 + i) * n + col0;
-          if (xcount > kTileRows) {
-            tile_products<2>(weights.data(), xp, kp, xcount, wcount, o, n);
-          } else {
-            tile_products<1>(weights.data(), xp, kp, xcount, wcount, o, n);
-          }
-        }
+        const int64_t col0 = t * kWeightTile;
+        tile.take(base, stride, col0, std::min(kWeightTile, n - col0));
+        weight_tile_products(tile, slice.data(), xpacked.data(), rows, sums, op + x0 * n + col0, n);
       }
     });
   }
