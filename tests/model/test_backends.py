@@ -152,18 +152,20 @@ def test_prepared_weights_are_bf16_only_when_lossless_and_share_one_allocation()
 
 
 @kernels_built
-def test_each_layer_gets_its_shapes_limit_and_the_output_projection_is_not_timed(monkeypatch):
-    limits = iter([24, 8])
+def test_each_layer_gets_its_shapes_limit_the_output_projection_too(monkeypatch):
+    """Each packed weight is timed, the output projection too: its decode-sized batches (the
+    sampled rows) may also be faster by torch's GEMM on a CPU whose bf16 GEMM has AMX."""
+    limits = iter([24, 8, 4])
     monkeypatch.setattr(
         MatmulCalibration, "packed_max_rows", lambda self, weight, packed: next(limits)
     )
     model = torch.nn.Module()
     model.qkv = PackedLinear(8, {"q": 16, "k": 8}, bias=False)
     model.down = Linear(8, 16, bias=False)
-    model.lm_head = Linear(8, 100, bias=False)  # only sees sampled rows: not timed
+    model.lm_head = Linear(8, 100, bias=False)
     select_backend(CPU, F32, F32, BackendConfig()).prepare_weights(model)
-    assert (model.qkv.weight_format.max_rows, model.down.weight_format.max_rows) == (24, 8)
-    assert model.lm_head.weight_format.max_rows == PACKED_MAX_ROWS
+    formats = (model.qkv.weight_format, model.down.weight_format, model.lm_head.weight_format)
+    assert [fmt.max_rows for fmt in formats] == [24, 8, 4]
 
 
 def test_an_unprepared_linear_says_what_to_do():
@@ -202,7 +204,7 @@ def test_calibration_times_both_matmuls_once_per_shape_or_takes_the_setting(monk
 
 def test_a_crossing_counts_only_if_a_second_timing_agrees(monkeypatch):
     weight, packed = torch.randn(80, 64), torch.empty(0)
-    # (packed s, torch s) per call: torch "wins" at 128 once (a busy moment), then at 512 twice.
+    # (packed s, torch s) per call: torch "wins" at 8 once (a busy moment), then at 32 twice.
     timings = iter([(0.010, 0.005), (0.010, 0.010), (0.020, 0.020), (0.040, 0.030), (0.040, 0.030)])
     asked = []
     monkeypatch.setattr(
@@ -210,8 +212,9 @@ def test_a_crossing_counts_only_if_a_second_timing_agrees(monkeypatch):
         "_time_matmuls",
         lambda w, p, rows, repeats: asked.append(rows) or next(timings),
     )
-    assert MatmulCalibration().packed_max_rows(weight, packed) == 256
-    assert asked == [128, 128, 256, 512, 512]
+    assert calibration.CALIBRATION_ROWS[:3] == (8, 16, 32)
+    assert MatmulCalibration().packed_max_rows(weight, packed) == 16
+    assert asked == [8, 8, 16, 32, 32]
 
 
 # ---------------------------------------------------------------------- layer ops

@@ -35,7 +35,7 @@ from octavo.model.backends.sdpa import SdpaAttention
 from octavo.model.backends.torch_ops import TorchOps
 from octavo.model.cpu import build, fused, packing
 from octavo.model.cpu import ops as cpu_ops
-from octavo.model.cpu.calibration import PACKED_MAX_ROWS, MatmulCalibration
+from octavo.model.cpu.calibration import MatmulCalibration
 from octavo.model.formats import DenseWeight, LinearWeight
 from octavo.model.formats.base import ConcatWeight
 from octavo.model.formats.ggml import QuantizedTensor
@@ -129,13 +129,7 @@ class ModelBackend:
                 fmt = quantized[name]
             elif name in slots:
                 packed = packing.pack_linear_weight(module.weight, out=slots[name])
-                # The output projection only ever multiplies sampled rows, never a prompt's.
-                is_head = isinstance(module, VocabEmbedding) or name.rpartition(".")[2] == "lm_head"
-                max_rows = (
-                    PACKED_MAX_ROWS
-                    if is_head
-                    else self.calibration.packed_max_rows(module.weight, packed)
-                )
+                max_rows = self.calibration.packed_max_rows(module.weight, packed)
                 fmt = PackedWeight(module.weight, packed, max_rows)
             else:
                 fmt = DenseWeight(module.weight)

@@ -2,10 +2,11 @@
 
 Where the two cross depends on the CPU and the weight's shape (benchmarks/history/,
 "Prompt-sized matmuls"): level or ahead up to 2,048 rows on an AVX2 AMD EPYC; on an AVX-512
-Intel Xeon ahead up to ~256 rows for most shapes and 5-15% behind MKL beyond. So when a model
-is loaded each weight shape of its decoder layers is timed once (`MatmulCalibration`), and the
-result is part of the start-up configuration. Knows nothing of models: weights and their
-packed copies come in as tensors.
+Intel Xeon ahead up to ~256 rows for most shapes and 5-15% behind MKL beyond; on an Intel Xeon
+with AMX, whose bfloat16 GEMM (oneDNN's, through torch) runs on the tile units, behind from 16
+to 32 rows on. So when a model is loaded each weight shape is timed once
+(`MatmulCalibration`), and the result is part of the start-up configuration. Knows nothing of
+models: weights and their packed copies come in as tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PACKED_MAX_ROWS = 4096
 # The batch sizes timed, smallest first; how much faster torch must be to take a size (timings
 # on a shared machine wobble by a few percent); and the time of one call beyond which larger
 # sizes are not timed (a large model's weights would take minutes).
-CALIBRATION_ROWS = (128, 256, 512, 1024, 2048)
+CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_MARGIN = 0.03
 CALIBRATION_MAX_CALL_S = 0.05
 

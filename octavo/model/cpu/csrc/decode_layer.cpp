@@ -13,8 +13,10 @@ namespace octavo {
 namespace {
 
 // Projections given as parts (see decode_layer): projection p is parts[p] consecutive entries
-// of weights / kinds / rows / limits / tile_limits, packed panels (kind -1, one part) or GGML
-// blocks of one or more types. A block part's limit is the most rows its kernel takes (the
+// of weights / kinds / rows / limits / tile_limits, packed panels (kind -1) or GGML blocks of
+// one or more types. Packed panels take up to their limit (-1: any) and, where a second part
+// of kind -2 follows with the float weight, torch's GEMM on that above it, as
+// formats/packed.py's PackedWeight.matmul does. A block part's limit is the most rows its kernel takes (the
 // weight format's max_rows; -1: any); above it, up to its tile limit (tiles_max_rows; 0: none)
 // the AMX tile kernel takes it, and above that it is dequantized to gemm_dtype and multiplied
 // by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul does, so the results are
@@ -61,6 +63,14 @@ struct Projections {
     return bias.has_value() ? out.add(*bias) : out;
   }
 
+  // x @ W^T (+ bias) for a float weight by torch's GEMM in its dtype (DenseWeight.matmul).
+  static at::Tensor dense(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias) {
+    if (w.scalar_type() == x.scalar_type()) return at::linear(x, w, bias);
+    at::Tensor out = at::linear(x.to(w.scalar_type()), w).to(x.scalar_type());
+    return bias.has_value() ? out.add_(*bias) : out;
+  }
+
   at::Tensor operator()(const at::Tensor& x, int64_t projection,
                         const c10::optional<at::Tensor>& bias = c10::nullopt) const {
     const int64_t begin = first[projection], count = parts[projection], m = x.size(0);
@@ -68,6 +78,7 @@ struct Projections {
     bool all_kernel = true;
     for (int64_t i = begin; i < begin + count; ++i) all_kernel = all_kernel && kernel_takes(i, m);
     if (kinds[begin] < 0) {
+      if (count == 2 && !kernel_takes(begin, m)) return dense(x, weights[begin + 1], bias);
       out = packed_linear(x, weights[begin], rows[begin]);
     } else if (all_kernel) {
       out = quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),
