@@ -22,7 +22,7 @@ from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import make_server
 from octavo.worker.device import split_cpus
 
-from .conftest import API_KEY, MAX_MODEL_LEN, RunningServer
+from .conftest import API_KEY, MAX_MODEL_LEN, PACKED_MAX_ROWS, RunningServer
 from .utils import free_port, start_in_thread, start_serve
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,7 @@ def dp_server() -> Iterator[RunningServer]:
             max_num_seqs=64,
             block_size=16,
             seed=0,
+            packed_max_rows=PACKED_MAX_ROWS,
             data_parallel_size=2,
         )
     )
