@@ -413,12 +413,31 @@ $SEED\`. Settings: octavo \`--dtype auto --kv-cache-dtype $OCTAVO_KV_DTYPE\`; vL
 $VLLM_DTYPE\` (its KV cache auto, the same dtype; its CPU backend offers no 16-bit cache beside
 float32) in its CPU guide's environment (OpenMP bound to cores 0-$((NCPU - 1)),
 ${TCMALLOC:+tcmalloc and }Intel OpenMP preloaded); llama.cpp: a $LLAMA_TYPE GGUF, f16 KV cache,
-32 slots, KV $LLAMA_KV.${WEIGHTS:+ Weights of octavo and llama.cpp: $(basename "$(dirname "$WEIGHTS_GGUF")")/$(basename "$WEIGHTS_GGUF") (--weights $WEIGHTS), the same file for both; vLLM on the bfloat16 folder.} KV capacity: $KV_TOKENS tokens for every engine. Workloads: A 256+128 tokens x 128 at
+32 slots, KV $LLAMA_KV${LLAMA_EXTRA:+, \`${LLAMA_EXTRA# }\`}.${WEIGHTS:+ Weights of octavo and llama.cpp: $(basename "$(dirname "$WEIGHTS_GGUF")")/$(basename "$WEIGHTS_GGUF") (--weights $WEIGHTS), the same file for both; vLLM on the bfloat16 folder.} KV capacity: $KV_TOKENS tokens for every engine. Workloads: A 256+128 tokens x 128 at
 concurrency 32, B 256+128 x 8 at 1, C 512+128 x 64 at 8, D 256 shared + 256 + 128 x 64 at 8.
 EOF
     [ -z "$NUM_PROMPTS" ] || echo "**Smoke run: $NUM_PROMPTS prompts per workload.**"
 }
 
+
+# llama.cpp's repacked weight buffers (its CPU "extra" buffer types, AMX among them) crashed
+# llama-server at load on an Intel Xeon with AMX (a segfault right after its thread pool
+# started, Q4_K_M file); with --no-repack it serves. So before the runs, one start of
+# llama-server on the workloads' file: if it dies, --no-repack is added for every run (and
+# named in the table's header); if it dies with that too, llama.cpp is left out.
+check_llama_start() {
+    local probe=$RESULTS/llamacpp-start-check.log
+    start_server llamacpp "$probe" 2> /dev/null && { stop_server; return 0; }
+    stop_server
+    if [[ " $LLAMA_EXTRA " != *" --no-repack "* ]]; then
+        log "llama-server died at start (see $probe); every run adds --no-repack"
+        LLAMA_EXTRA="$LLAMA_EXTRA --no-repack"
+        start_server llamacpp "$probe" 2> /dev/null && { stop_server; return 0; }
+        stop_server
+    fi
+    log "llama-server does not start (see $probe): llama.cpp is left out"
+    ENGINES=${ENGINES//llamacpp/}
+}
 
 main() {
     parse_args "$@"
@@ -437,6 +456,7 @@ main() {
         fi
     fi
     convert_model
+    ! has_engine llamacpp || check_llama_start
     if [ -z "$VLLM_DTYPE" ]; then
         # vLLM's oneDNN bf16 matmuls need native bf16; without it vLLM falls back to slow
         # emulated torch matmuls, so float32 (same weights, upcast) is its best here.
