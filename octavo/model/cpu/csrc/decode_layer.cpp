@@ -16,11 +16,11 @@ namespace {
 // of weights / kinds / rows / limits / tile_limits, packed panels (kind -1) or GGML blocks of
 // one or more types. Packed panels take up to their limit (-1: any) and, where a second part
 // of kind -2 follows with the float weight, torch's GEMM on that above it, as
-// formats/packed.py's PackedWeight.matmul does. A block part's limit is the most rows its kernel takes (the
-// weight format's max_rows; -1: any); above it, up to its tile limit (tiles_max_rows; 0: none)
-// the AMX tile kernel takes it, and above that it is dequantized to gemm_dtype and multiplied
-// by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul does, so the results are
-// the Python formats' own.
+// formats/packed.py's PackedWeight.matmul does. A block part's limit is the most rows its
+// kernel takes (the weight format's max_rows; -1: any); above it, up to its tile limit
+// (tiles_max_rows; 0: none) the AMX tile kernel takes it, and above that it is dequantized to
+// gemm_dtype and multiplied by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul
+// does, so the results are the Python formats' own.
 struct Projections {
   at::TensorList weights;
   at::IntArrayRef kinds, rows, limits, tile_limits, parts;
@@ -118,10 +118,11 @@ struct Projections {
 // With no parts for gate_up and down it returns post_norm's output (the caller's MLP follows).
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
-// pack_linear_weight (packed_linear, one part), else the GGML block type id, repacked or not, of
-// blocks (quant_linear_parts) up to limits[i] rows, the AMX tiles up to tile_limits[i] and
-// torch's GEMM on them dequantized to gemm_dtype above (Projections), as the Python weight formats multiply them. The Python
-// wrapper checks the rest.
+// pack_linear_weight (packed_linear up to limits[i] rows, then the float weight of a kind -2
+// part by torch's GEMM), else the GGML block type id, repacked or not, of blocks
+// (quant_linear_parts) up to limits[i] rows, the AMX tiles up to tile_limits[i] and torch's
+// GEMM on them dequantized to gemm_dtype above (Projections), as the Python weight formats
+// multiply them. The Python wrapper checks the rest.
 at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, at::TensorList weights,
                         at::IntArrayRef kinds, at::IntArrayRef rows, at::IntArrayRef limits,
