@@ -11,6 +11,7 @@ models: weights and their packed copies come in as tensors.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -94,13 +95,10 @@ def _timed_pair(
 def _time_matmuls(weight: Tensor, packed: Tensor, rows: int, repeats: int) -> tuple[float, float]:
     """Best-of-`repeats` seconds of packed_linear and of F.linear for `rows` rows, alternated so
     that a slow moment of the machine hits both."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    n = weight.shape[0]
-    times = time_interleaved(
-        {"packed": lambda: ops.packed_linear(x, packed, n), "torch": lambda: F.linear(x, weight)},
-        repeats,
-    )
-    return min(times["packed"]), min(times["torch"])
+    n, k = weight.shape
+    packed_matmul = functools.partial(ops.packed_linear, packed=packed, n=n)
+    torch_matmul = functools.partial(F.linear, weight=weight)
+    return _timed_pair(packed_matmul, torch_matmul, k, weight.dtype, repeats)(rows)
 
 
 class MatmulCalibration:

@@ -487,6 +487,14 @@ void dot_all_chunks(const RepackedChunks& chunks, int64_t k, const QuantizedX& x
 }
 #endif
 
+// A row of `type` unpacked into w in lane order, its padding past k zeros (a buffer's last row
+// can leave bytes there after its reordering).
+inline void unpack_lanes(int64_t type, const uint8_t* row, int64_t k, const Unpacked& w) {
+  unpack_row(type, row, k, w);
+  std::memset(w.q + k, 0, padded(k) - k);
+  to_lane_order(w.q, padded(k));
+}
+
 // One row's unpacked buffers, per thread.
 struct RowBuffers {
   std::vector<uint8_t> q;
@@ -578,7 +586,8 @@ inline void unpack_any(int64_t type, const uint8_t* row, int64_t k, const Unpack
 // partial chunk without its padding: each of its four vectors cut to the 8p bytes of its p
 // blocks) and x is packed in the same order, which a dot product does not see. Results: the
 // float32 product of the bf16-rounded operands, up to float32 summation order.
-#if defined(OCTAVO_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(OCTAVO_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
 #define OCTAVO_AMX 1
 
 struct TileConfig {
@@ -617,20 +626,9 @@ inline __m512 expand16(__m128i bytes, __m512 scale, __m512 bias) {
   return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias);
 }
 
-// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even.
-inline __m512i to_bf16(__m512 lo, __m512 hi) {
-#ifdef __AVX512BF16__
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-#else
-  auto round = [](__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
-  };
-  return _mm512_inserti64x4(_mm512_castsi256_si512(round(lo)), round(hi), 1);
-#endif
-}
+// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even (store_bf16's
+// rounding, in one instruction: every CPU with AMX-BF16 has AVX512-BF16).
+inline __m512i to_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
 // Weights of a partial last chunk of p blocks of 32 (k - e of them) in the tiles' order: each
 // chunk vector's first 8p values, one vector after another.
@@ -680,13 +678,13 @@ void dequantize_lanes(const Chunks& chunks, int64_t k, int64_t e0, int64_t e1,
 
 // kWeightTile weight rows of one part, [row0, row0 + count): their chunks, sliced.
 struct WeightTile {
-  int64_t type, base_type, k, kp, count;
+  int64_t type, base_type, k, count;
   bool is_signed;
   std::vector<const uint8_t*> rows;     // repacked rows
   std::vector<RowBuffers> unpacked;     // other types: each row unpacked in lane order
 
   WeightTile(int64_t type_, int64_t k_)
-      : type(type_), base_type(type_ & ~kRepacked), k(k_), kp(padded(k_)), count(0),
+      : type(type_), base_type(type_ & ~kRepacked), k(k_), count(0),
         is_signed(base_type == kQ8_0), rows(kWeightTile) {
     if (!(type & kRepacked)) {
       for (int64_t r = 0; r < kWeightTile; ++r) unpacked.emplace_back(k);
@@ -697,12 +695,7 @@ struct WeightTile {
     count = count_;
     for (int64_t r = 0; r < count; ++r) {
       rows[r] = base + (row0 + r) * stride;
-      if (!(type & kRepacked)) {
-        const Unpacked w = unpacked[r].view();
-        unpack_row(type, rows[r], k, w);
-        std::memset(w.q + k, 0, kp - k);
-        to_lane_order(w.q, kp);
-      }
+      if (!(type & kRepacked)) unpack_lanes(type, rows[r], k, unpacked[r].view());
     }
   }
 
@@ -914,9 +907,7 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = base + i * row_stride;
       uint8_t* packed = dst + i * row_stride;
-      unpack_row(type, row, k, w);
-      std::memset(w.q + k, 0, padded(k) - k);
-      to_lane_order(w.q, padded(k));
+      unpack_lanes(type, row, k, w);
       for (int64_t first = 0; first < num_blocks; first += chunk_blocks(type)) {
         const int64_t p = type >= kQ2_K ? 8 : std::min<int64_t>(8, num_blocks - first);
         repack_chunk(type, w.q + first * block_weights(type), row + first * bytes, p,
@@ -966,10 +957,7 @@ at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::In
       }
 #endif
       const Unpacked w = buffers->view();
-      unpack_row(type, row, k, w);
-      // The last row's reordering left bytes past k; the padding must be zeros again.
-      std::memset(w.q + k, 0, padded(k) - k);
-      to_lane_order(w.q, padded(k));
+      unpack_lanes(type, row, k, w);
       if (is_signed) {
         dot_all_rows<true>(w, k, qx, m, op + j, n);
       } else {

@@ -83,7 +83,8 @@ TORCH_LIBRARY(octavo, m) {
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
   m.def(
       "moe_feed_forward(Tensor x, Tensor[] weights, int[] kinds, int[] rows, int[] limits, "
-      "int[] tile_limits, int[] parts, ScalarType gemm_dtype, int top_k, bool renormalize) -> Tensor");
+      "int[] tile_limits, int[] parts, ScalarType gemm_dtype, int top_k, bool renormalize) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {
