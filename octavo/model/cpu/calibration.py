@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from octavo.model.cpu import ops
+from octavo.model.cpu import onednn, ops
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ def time_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dic
     return times
 
 
+# The batch sizes at which a weight's copy reordered for oneDNN is timed against torch's GEMM
+# on the plain weight: a decode batch above the packed kernel's limit and a prompt chunk.
+ONEDNN_CALIBRATION_ROWS = (32, 256)
 # The batch sizes timed for a weight in GGML blocks: the block kernel's integer dot products
 # against dequantizing the weight for the call and torch's GEMM.
 QUANT_CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
@@ -114,13 +117,18 @@ class MatmulCalibration:
         self.repeats = repeats
         self._limits: dict[tuple, int] = {}
         self._timings: dict[tuple, list[tuple[int, float, float]]] = {}
+        self._onednn: dict[tuple, bool] = {}
 
     def packed_max_rows(self, weight: Tensor, packed: Tensor) -> int:
         """The row limit for this weight (a CPU compute weight, as torch's GEMM gets it) and its
         packed copy: both timed at CALIBRATION_ROWS, smallest first, until torch's is faster (in
         two timings running) or one call takes longer than CALIBRATION_MAX_CALL_S, then
         `choose_packed_max_rows`. ~0.3 s for each of the embedded model's four shapes on two
-        cores."""
+        cores. torch's GEMM is timed on the plain weight even where a copy reordered for
+        oneDNN takes the rows above the limit: the copy is faster in the calibration's
+        repeated calls on one weight, but a decode step reads each weight once, from far
+        caches, where the packed kernel's streaming keeps its lead (decode steps of 8 rows
+        slower by a sixth with the limit set against the copy)."""
         if self.fixed_rows is not None:
             return self.fixed_rows
         key = (tuple(weight.shape), weight.dtype, packed.dtype, torch.get_num_threads())
@@ -131,6 +139,35 @@ class MatmulCalibration:
             f"{weight.shape[0]} x {weight.shape[1]} weight: packed matmul",
             "torch's GEMM",
         )
+
+    def onednn_faster(self, weight: Tensor, onednn_weight: Tensor) -> bool:
+        """Whether oneDNN's linear on the reordered copy (model/cpu/onednn.py) is faster than
+        torch's GEMM on the plain weight: both timed at ONEDNN_CALIBRATION_ROWS, the copy taken
+        where it is faster at every size. Under the fixed setting it is taken wherever it
+        exists (nothing is timed). Once per shape."""
+        if self.fixed_rows is not None:
+            return True
+        key = (tuple(weight.shape), weight.dtype, "onednn", torch.get_num_threads())
+        if key not in self._onednn:
+            timed = _timed_pair(
+                functools.partial(onednn.linear, packed=onednn_weight),
+                functools.partial(F.linear, weight=weight),
+                weight.shape[1],
+                weight.dtype,
+                self.repeats,
+            )
+            timings = [(rows, *timed(rows)) for rows in ONEDNN_CALIBRATION_ROWS]
+            faster = all(onednn_s < plain_s for _, onednn_s, plain_s in timings)
+            self._onednn[key] = faster
+            self._timings[key] = timings
+            logger.info(
+                "%d x %d weight: %s (%s)",
+                weight.shape[0],
+                weight.shape[1],
+                "oneDNN's linear on a reordered copy" if faster else "torch's GEMM",
+                ", ".join(f"{r} rows {p * 1e3:.2f} vs {q * 1e3:.2f} ms" for r, p, q in timings),
+            )
+        return self._onednn[key]
 
     def quant_max_rows(self, fmt: Any) -> int:
         """The row limit for a formats.quantized.QuantizedWeight: its block kernel against what
@@ -202,20 +239,22 @@ class MatmulCalibration:
         with the timings (ms) it was chosen from."""
         if self.fixed_rows is not None:
             return {"fixed_max_rows": self.fixed_rows}
-        return {
-            "shapes": [
-                {
-                    "shape": list(shape),
-                    # The packed copy's dtype, or the GGML block type.
-                    "format": kind if isinstance(kind, str) else str(kind).removeprefix("torch."),
-                    "max_rows": self._limits[key],
-                    "timings_ms": [
-                        [rows, round(p * 1e3, 3), round(t * 1e3, 3)]
-                        for rows, p, t in self._timings[key]
-                    ],
-                }
-                for key in self._limits
-                for shape, first, second, _ in [key]
-                for kind in [first if isinstance(first, str) else second]
+        shapes = []
+        for key, timings in self._timings.items():
+            shape, first, second, _ = key
+            # The packed copy's dtype, the GGML block type, or "onednn" (the reordered copy
+            # against the plain weight).
+            kind = first if isinstance(first, str) else second
+            entry: dict[str, Any] = {
+                "shape": list(shape),
+                "format": kind if isinstance(kind, str) else str(kind).removeprefix("torch."),
+            }
+            if key in self._limits:
+                entry["max_rows"] = self._limits[key]
+            else:
+                entry["chosen"] = self._onednn[key]
+            entry["timings_ms"] = [
+                [rows, round(p * 1e3, 3), round(t * 1e3, 3)] for rows, p, t in timings
             ]
-        }
+            shapes.append(entry)
+        return {"shapes": shapes}

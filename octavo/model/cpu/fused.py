@@ -166,14 +166,15 @@ KernelPart = tuple[Tensor, int, int, int, int, torch.dtype | None]
 def kernel_parts(fmt: LinearWeight) -> list[KernelPart] | None:
     """A projection's weight as the kernel's parts: (weight, kind, rows, limit, tile limit,
     gemm dtype) each, kind -1 for packed panels, which take up to `limit` rows (the format's
-    max_rows), followed by the float weight (kind -2) that torch's GEMM takes above; or the
-    block type id the block kernel reads, which takes up to `limit` rows (the format's
-    max_rows), the AMX tiles up to `tile limit` (tiles_max_rows) and torch's GEMM on the blocks
-    dequantized to the gemm dtype above; None where a part is neither (a float part, or blocks
-    without the kernels)."""
+    max_rows), followed by the float weight (kind -2; its copy reordered for oneDNN where the
+    format has one) that torch's GEMM takes above; or the block type id the block kernel
+    reads, which takes up to `limit` rows (the format's max_rows), the AMX tiles up to `tile
+    limit` (tiles_max_rows) and torch's GEMM on the blocks dequantized to the gemm dtype
+    above; None where a part is neither (a float part, or blocks without the kernels)."""
     if isinstance(fmt, PackedWeight):
         n = fmt.weight.shape[0]
-        return [(fmt.packed, -1, n, fmt.max_rows, 0, None), (fmt.weight, -2, n, -1, 0, None)]
+        gemm_weight = fmt.weight if fmt.onednn_weight is None else fmt.onednn_weight
+        return [(fmt.packed, -1, n, fmt.max_rows, 0, None), (gemm_weight, -2, n, -1, 0, None)]
     if isinstance(fmt, QuantizedWeight):
         if not fmt.kernels:
             return None

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from octavo.model.cpu import onednn
+
 
 class LinearWeight(ABC):
     """One linear layer's (n, k) weight in some storage format."""
@@ -42,25 +44,35 @@ class LinearWeight(ABC):
 class DenseWeight(LinearWeight):
     """The checkpoint's float tensor, multiplied by torch's GEMM (any device, any float dtype).
     A weight in another dtype than x's (bfloat16 weights under float32 compute) multiplies in
-    its own: x is rounded to it, and the product comes back in x's dtype."""
+    its own: x is rounded to it, and the product comes back in x's dtype. Where the backend
+    gave it `onednn_weight` (the same weight reordered once for oneDNN's linear,
+    model/cpu/onednn.py), the GEMM multiplies that instead, with the same roundings."""
 
     name = "dense"
 
     def __init__(self, weight: Tensor) -> None:
         self.weight = weight  # (n, k)
+        self.onednn_weight: Tensor | None = None
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        gemm = self._gemm
         if x.dtype == self.weight.dtype:
-            return F.linear(x, self.weight, bias)
-        out = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+            return gemm(x, bias)
+        out = gemm(x.to(self.weight.dtype), None).to(x.dtype)
         return out if bias is None else out.add_(bias)
+
+    def _gemm(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.onednn_weight is not None:
+            return onednn.linear(x, self.onednn_weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def dequantize(self) -> Tensor:
         return self.weight
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        copy = 0 if self.onednn_weight is None else onednn.nbytes(self.onednn_weight)
+        return self.weight.numel() * self.weight.element_size() + copy
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 // mixture-of-experts feed-forward the same way.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <utility>
@@ -63,12 +64,29 @@ struct Projections {
     return bias.has_value() ? out.add(*bias) : out;
   }
 
-  // x @ W^T (+ bias) for a float weight by torch's GEMM in its dtype (DenseWeight.matmul).
+  // x @ W^T (+ bias) for a float weight by torch's GEMM in its dtype, or by oneDNN's linear
+  // where the weight is its reordered copy (an mkldnn tensor), as DenseWeight.matmul does.
   static at::Tensor dense(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& bias) {
-    if (w.scalar_type() == x.scalar_type()) return at::linear(x, w, bias);
-    at::Tensor out = at::linear(x.to(w.scalar_type()), w).to(x.scalar_type());
+    auto gemm = [&](const at::Tensor& in, const c10::optional<at::Tensor>& b) {
+      return w.is_mkldnn() ? onednn_linear(in, w, b) : at::linear(in, w, b);
+    };
+    if (w.scalar_type() == x.scalar_type()) return gemm(x, bias);
+    at::Tensor out = gemm(x.to(w.scalar_type()), c10::nullopt).to(x.scalar_type());
     return bias.has_value() ? out.add_(*bias) : out;
+  }
+
+  // torch's mkldnn::_linear_pointwise (model/cpu/onednn.py's linear), without an epilogue.
+  static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
+                                  const c10::optional<at::Tensor>& bias) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, c10::string_view,
+                              c10::List<std::optional<at::Scalar>>,
+                              std::optional<c10::string_view>)>();
+    return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
   }
 
   at::Tensor operator()(const at::Tensor& x, int64_t projection,

@@ -104,3 +104,10 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("decode_layer", &octavo::decode_layer);
   m.impl("moe_feed_forward", &octavo::moe_feed_forward);
 }
+
+// The one-call layers also take float weights reordered for oneDNN (mkldnn tensors, kind -2
+// parts; model/cpu/onednn.py), whose dispatch key is MkldnnCPU: the same CPU implementations.
+TORCH_LIBRARY_IMPL(octavo, MkldnnCPU, m) {
+  m.impl("decode_layer", &octavo::decode_layer);
+  m.impl("moe_feed_forward", &octavo::moe_feed_forward);
+}
