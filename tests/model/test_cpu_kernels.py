@@ -195,6 +195,48 @@ def test_paged_prefill_attention_with_a_window_and_softcap_matches_reference(
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+amx_tiles = pytest.mark.skipif(
+    not (build.load() and ops.amx_tiles_available()),
+    reason="no AMX tiles here: the CPU lacks amx_bf16 (or the OS does not give them)",
+)
+
+
+@amx_tiles
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 128), (10, 2, 40, 5), (2, 1, 20, 3)],
+)
+@pytest.mark.parametrize(
+    "scale,window,softcap", [(0.125, 0, 0.0), (0.5, 7, 0.0), (0.25, 300, 0.0), (0.5, 50, 2.5)]
+)
+def test_paged_prefill_attention_on_tiles_is_the_reference_with_bf16_operands(
+    num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap
+):
+    """The AMX path rounds the scaled queries and the softmax weights to bfloat16. Against the
+    reference given the same rounded queries (scales are powers of two, so q * scale rounds
+    back exactly), what is left is the weights' rounding: at most 2^-9 of each weight, so
+    within 2^-8 of the largest value's magnitude (float32 sums otherwise). Head sizes that are
+    not a multiple of 32 (padded dimensions), chunks as the float kernel's test, windows and a
+    soft-cap; rows between the chunks untouched."""
+    chunks = [(100, 100), (37, 140), (1, 9), (5, 5), (70, 77), (300, 300), (20, 530)]
+    query, *args = _prefill_inputs(
+        chunks, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim
+    )
+    out = torch.full_like(query, 7.0)
+    ops.paged_prefill_attention(out, query, *args, scale, window, softcap, tiles=True)
+    rounded = (query * scale).bfloat16().float() / scale
+    expected = torch.full_like(query, 7.0)
+    reference.paged_prefill_attention_reference(expected, rounded, *args, scale, window, softcap)
+    bound = 2**-8 * args[1].float().abs().max().item()
+    torch.testing.assert_close(out, expected, atol=bound, rtol=0)
+    assert bool((out[[0, 101, 139, 141, 147, 218, 519]] == 7.0).all())
+    # The float path on the same cache differs by the queries' and weights' rounding only.
+    floats = torch.full_like(query, 7.0)
+    ops.paged_prefill_attention(floats, query, *args, scale, window, softcap)
+    assert (out - floats).abs().max().item() < 0.05
+    assert not torch.equal(out, floats)  # the tiles did run
+
+
 def test_paged_prefill_attention_reads_a_query_view_in_place():
     # The query as the model hands it over: a view into the wider q/k/v projection, its heads
     # contiguous within a token but tokens further apart.

@@ -357,14 +357,18 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
 @pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
 def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, attention):
     """--kv-cache-dtype bfloat16 with float32 compute: keys and values read from the cache are
-    rounded to bf16 (~3 significant digits), so logits drift a little from float32's."""
+    rounded to bf16 (~3 significant digits), so logits drift a little from float32's; on a CPU
+    with AMX tiles the prompt's attention also rounds its queries and softmax weights to bf16
+    (CpuPagedAttention's prefill_tiles), which drifts a little further."""
     hf_model, folder = tiny
     token_ids = _tokens(17, seed=8)
     expected = hf_logits(hf_model, token_ids)
     harness = _harness(folder, attention, kv_cache_dtype=torch.bfloat16)
     prefill = harness.step({"r": token_ids[:11]})["r"]
     decodes = torch.cat([harness.step({"r": [t]})["r"] for t in token_ids[11:]])
-    torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=0.1, rtol=0.05)
+    tiles = getattr(harness.backend.attention, "prefill_tiles", False)
+    atol = 0.15 if tiles else 0.1
+    torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=atol, rtol=0.05)
     assert not torch.allclose(decodes, expected[11:], atol=1e-5, rtol=1e-5)  # it did read bf16
 
 

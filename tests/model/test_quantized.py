@@ -38,7 +38,7 @@ from .tiny import (
 
 kernels = pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
 tiles = pytest.mark.skipif(
-    not (build.load() and ops.quant_tiles_available()),
+    not (build.load() and ops.amx_tiles_available()),
     reason="no AMX tiles here: the CPU lacks amx_bf16 (or the OS does not give them)",
 )
 

@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
 
     name: str = ""
 
+    def choices(self) -> dict[str, str]:
+        """What this backend chose beyond its name, for the start-up configuration."""
+        return {}
+
     @abstractmethod
     def plan(self, metadata: AttentionMetadata, window: int = 0) -> AttentionPlan:
         """Everything derived from the step's metadata that every layer would otherwise repeat

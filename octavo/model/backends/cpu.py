@@ -86,11 +86,22 @@ class CpuPagedAttention(AttentionBackend):
 
     name = "cpu_paged"
 
-    def __init__(self, compute_dtype: torch.dtype) -> None:
+    def __init__(self, compute_dtype: torch.dtype, prefill_tiles: bool = False) -> None:
         # The write kernel takes float32 keys and values (float32 compute); else torch's.
         self._write = (
             _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_write_kv_cache
         )
+        # Prompt chunks on AMX tiles (a bfloat16 cache on a CPU with AMX-BF16; select.py).
+        self.prefill_tiles = prefill_tiles
+
+    def choices(self) -> dict[str, str]:
+        return {
+            "prefill_attention": (
+                "amx_tiles: bfloat16 queries and weights, float32 sums"
+                if self.prefill_tiles
+                else "float32"
+            )
+        }
 
     def plan(self, metadata: AttentionMetadata, window: int = 0) -> PagedPlan:
         return PagedPlan(metadata, decode=_plan_decodes(metadata), prefill=_plan_prefills(metadata))
@@ -136,6 +147,7 @@ class CpuPagedAttention(AttentionBackend):
             scale,
             window,
             softcap,
+            self.prefill_tiles,
         )
         return output if output.dtype == dtype else output.to(dtype)
 

@@ -51,6 +51,7 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    tiles: bool = False,
 ) -> None:
     """Causal attention for chunks of several query tokens, over keys read from the paged
     cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
@@ -61,7 +62,9 @@ def paged_prefill_attention(
     sits at position seq_lens[c] - query_lens[c] + i and sees keys 0..that position (its own
     included: the chunk's keys must already be in the cache), under a window only keys
     position - window + 1 .. position; softcap as for paged_decode_attention. Rows outside the
-    chunks are left as they are."""
+    chunks are left as they are. tiles: the products on AMX tiles, with the scaled queries and
+    the softmax weights rounded to bfloat16 (float32 sums); only for a bfloat16 cache where
+    amx_tiles_available()."""
     torch.ops.octavo.paged_prefill_attention(
         out,
         query,
@@ -74,6 +77,7 @@ def paged_prefill_attention(
         scale,
         window,
         softcap,
+        tiles,
     )
 
 
@@ -97,17 +101,18 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     return torch.ops.octavo.quant_linear(x, blocks, int(qtype), n)
 
 
-def quant_tiles_available() -> bool:
-    """Whether quant_linear_tiles runs here: a build for a CPU with AMX-BF16, on an OS that
-    gives this process the tile registers."""
-    return bool(torch.ops.octavo.quant_tiles_available())
+def amx_tiles_available() -> bool:
+    """Whether the AMX tile kernels run here (quant_linear_tiles, paged_prefill_attention with
+    tiles=True): a build for a CPU with AMX-BF16, on an OS that gives this process the tile
+    registers."""
+    return bool(torch.ops.octavo.amx_tiles_available())
 
 
 def quant_linear_tiles(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     """As quant_linear (the same blocks, repacked or not), for many rows of x: the weights
     dequantized to bfloat16 a few rows at a time into cache and multiplied with x rounded to
     bfloat16 by AMX tile dot products, float32 sums. Returns (m, n) float32, the float32 product
-    of the bf16-rounded operands up to summation order. Only where quant_tiles_available()."""
+    of the bf16-rounded operands up to summation order. Only where amx_tiles_available()."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     if not x.is_contiguous():

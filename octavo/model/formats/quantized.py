@@ -58,7 +58,7 @@ class QuantizedWeight(LinearWeight):
             return False
         from octavo.model.cpu import ops
 
-        return ops.quant_tiles_available()
+        return ops.amx_tiles_available()
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         rows = x.shape[0]

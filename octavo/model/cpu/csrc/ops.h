@@ -18,12 +18,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& seq_lens, double scale, int64_t window,
                                   double softcap);
 
-// prefill_attention.cpp
+// prefill_attention.cpp (tiles: the AMX path, for a bfloat16 cache where amx_tiles_available)
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, int64_t window,
-                             double softcap);
+                             double softcap, bool tiles);
 
 // packed_linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim);
@@ -40,10 +40,10 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t k,
 at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, int64_t k);
 int64_t quant_repacked_type(int64_t type);
 // x @ W^T for many rows by AMX-BF16 tiles on the weights dequantized a few rows at a time
-// (float32 sums of bf16-rounded operands), where quant_tiles_available().
+// (float32 sums of bf16-rounded operands), where amx_tiles_available().
 at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                               int64_t n);
-bool quant_tiles_available();
+bool amx_tiles_available();
 
 // elementwise.cpp
 void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,

@@ -1,5 +1,6 @@
 // Paged prefill attention: causal attention of prompt chunks over keys read from the paged cache.
 
+#include "amx.h"
 #include "ops.h"
 #include "panels.h"
 
@@ -26,6 +27,33 @@ constexpr int64_t kQueryTile = 32;  // query positions per work item
 // Keys per step, a multiple of kPanel: every row is rescaled once per step, and a step's scores
 // (rows x keys) still sit in L2. 256 rather than 64: ~8% faster for 256-token prompts.
 constexpr int64_t kKeyStep = 256;
+
+// One key step of the online softmax for one query row: s holds its scores against the step's
+// nk keys, the query sits `pos` keys after the step's first (negative: before it). The keys it
+// does not see (after it, or before its window) get weight 0, up to `width` entries; the others
+// exp(score - max) under a soft-cap if any; its running max and sum are updated, and its output
+// so far (acc, len floats) rescaled to the new max.
+inline void softmax_step(float* s, int64_t pos, int64_t nk, int64_t width, int64_t window,
+                         float fcap, float& row_max, float& row_sum, float* acc, int64_t len) {
+  // The row sees this step's keys lo .. seen - 1 (lo > 0 only under a window).
+  const int64_t seen = std::clamp<int64_t>(pos + 1, 0, nk);
+  const int64_t lo = window > 0 ? std::clamp<int64_t>(pos - window + 1, 0, seen) : 0;
+  if (fcap > 0.f) {
+    for (int64_t j = lo; j < seen; ++j) s[j] = fcap * std::tanh(s[j] / fcap);
+  }
+  const float step_max = max_of(s + lo, seen - lo);
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + seen, s + width, 0.f);
+  if (seen == lo) return;  // nothing new for this row (its max and sum stand)
+  const float new_max = std::max(row_max, step_max);
+  // exp(-inf) = 0 at a row's first step, where acc and the sum are still 0.
+  const float alpha = new_max == row_max ? 1.f : std::exp(row_max - new_max);
+  row_max = new_max;
+  row_sum = row_sum * alpha + exp_shifted_sum(s + lo, seen - lo, new_max);
+  if (alpha != 1.f) {
+    for (int64_t d = 0; d < len; ++d) acc[d] *= alpha;
+  }
+}
 
 template <typename cache_t>
 void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
@@ -173,28 +201,8 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
           }
           // Online softmax along each row, over the keys it sees (a prefix of this step's).
           for (int64_t r = 0; r < rows; ++r) {
-            float* s = scores.data() + r * kKeyStep;
-            // The row sees this step's keys lo .. seen - 1 (lo > 0 only under a window).
-            const int64_t pos = first_pos + r % np;
-            const int64_t seen = std::clamp<int64_t>(pos - j0 + 1, 0, nk);
-            const int64_t lo =
-                window > 0 ? std::clamp<int64_t>(pos - window + 1 - j0, 0, seen) : 0;
-            if (fcap > 0.f) {
-              for (int64_t j = lo; j < seen; ++j) s[j] = fcap * std::tanh(s[j] / fcap);
-            }
-            const float step_max = max_of(s + lo, seen - lo);
-            std::fill(s, s + lo, 0.f);
-            std::fill(s + seen, s + nk, 0.f);
-            if (seen == lo) continue;  // nothing new for this row (its max and sum stand)
-            const float new_max = std::max(row_max[r], step_max);
-            // exp(-inf) = 0 at a row's first step, where acc and the sum are still 0.
-            const float alpha = new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
-            row_max[r] = new_max;
-            row_sum[r] = row_sum[r] * alpha + exp_shifted_sum(s + lo, seen - lo, new_max);
-            if (alpha != 1.f) {
-              float* a = acc.data() + r * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
-            }
+            softmax_step(scores.data() + r * kKeyStep, first_pos + r % np - j0, nk, nk, window,
+                         fcap, row_max[r], row_sum[r], acc.data() + r * head_dim, head_dim);
           }
           // acc[r] += weights[r] @ values.
           for (int64_t dp = 0; dp < d_panels; ++dp) {
@@ -214,6 +222,220 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   });
 }
 
+
+#ifdef OCTAVO_AMX
+// The same attention for a bfloat16 cache with its two products on AMX tiles (tdpbf16ps:
+// bfloat16 operands, float32 sums): the scaled query rows are rounded to bfloat16, and so are
+// the softmax weights before they meet the values; the softmax itself stays in float32, with
+// the same key steps, masks and online rescaling as above. Pass 1 lays each (chunk, kv head)'s
+// keys out as the tiles' second operand for q . k (per 16 keys, rows of dimension pairs: key j,
+// dimension d at [j / 16][d / 2][j % 16][d % 2], dimensions padded with zeros to a multiple of
+// 32) and its values for p . v (rows of key pairs: [j / 2][d][j % 2], dimensions padded to 16),
+// keys padded with zeros to a multiple of 32. Pass 2 takes the rows of an item 32 at a time
+// (padded with zero queries) and keys 32 at a time: tiles 0-3 sum a 32 x 32 block (two row
+// tiles by two key or dimension tiles), 4-5 hold the rows' operands, 6-7 the keys' or values'.
+void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
+                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_table, const at::Tensor& query_start,
+                                   const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                                   double scale, int64_t window, double softcap) {
+  using bf16 = c10::BFloat16;
+  auto up = [](int64_t n, int64_t to) { return (n + to - 1) / to * to; };
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
+  const int64_t slot_stride = num_kv_heads * head_dim, out_stride = num_heads * head_dim;
+  const int64_t query_stride = query.stride(0);
+  const int64_t num_chunks = seq_lens.size(0);
+  const int64_t dk = up(head_dim, 2 * kAmxRows);  // q . k: 32 products a tile row
+  const int64_t dv = up(head_dim, kAmxRows);      // p . v: 16 output columns a tile
+  const int64_t max_rows = up(group * kQueryTile, 2 * kAmxRows);
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* q_lens = query_lens.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const bf16* k_base = key_cache.data_ptr<bf16>();
+  const bf16* v_base = value_cache.data_ptr<bf16>();
+  const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+  std::vector<int64_t> first_item(num_chunks + 1, 0), offset(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    first_item[c + 1] = first_item[c] + (q_lens[c] + kQueryTile - 1) / kQueryTile * num_kv_heads;
+    offset[c + 1] = offset[c] + num_kv_heads * up(lens[c], 2 * kAmxRows) * (dk + dv);
+  }
+  const int64_t num_items = first_item[num_chunks];
+  if (num_items == 0) return;
+  constexpr size_t kKeptGathered = size_t{32} << 20;  // 64 MiB of bfloat16, as above
+  static thread_local std::vector<bf16> kept;
+  std::vector<bf16> own;
+  const size_t needed = static_cast<size_t>(offset[num_chunks]);
+  std::vector<bf16>& gathered = needed <= kKeptGathered ? kept : own;
+  if (gathered.size() < needed) gathered.resize(needed);
+  // Chunk c's keys for kv head g, then its values.
+  auto key_at = [&](int64_t c, int64_t g) {
+    return gathered.data() + offset[c] + g * up(lens[c], 2 * kAmxRows) * (dk + dv);
+  };
+  auto value_at = [&](int64_t c, int64_t g) {
+    return key_at(c, g) + up(lens[c], 2 * kAmxRows) * dk;
+  };
+
+  // Pass 1: one task per (chunk, kv head, cache block); the last block also writes the zeros
+  // of the padding keys.
+  std::vector<int64_t> first_block(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    first_block[c + 1] = first_block[c] + num_kv_heads * ((lens[c] + block_size - 1) / block_size);
+  }
+  at::parallel_for(0, first_block[num_chunks], 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = std::upper_bound(first_block.begin(), first_block.end(), task) -
+                        first_block.begin() - 1;
+      const int64_t blocks_in_chunk = (lens[c] + block_size - 1) / block_size;
+      const int64_t g = (task - first_block[c]) / blocks_in_chunk;
+      const int64_t b = (task - first_block[c]) % blocks_in_chunk;
+      const int64_t j_begin = b * block_size;
+      const int64_t j_last = std::min<int64_t>(j_begin + block_size, lens[c]);
+      const int64_t j_end = j_last == lens[c] ? up(lens[c], 2 * kAmxRows) : j_last;
+      const int64_t slot0 = static_cast<int64_t>(table[c * max_blocks + b]) * block_size;
+      bf16* kc = key_at(c, g);
+      bf16* vc = value_at(c, g);
+      for (int64_t j = j_begin; j < j_end; ++j) {
+        const bool real = j < j_last;  // else a padding key: zeros
+        const int64_t at = real ? (slot0 + j - j_begin) * slot_stride + g * head_dim : 0;
+        const bf16* ksrc = k_base + at;
+        const bf16* vsrc = v_base + at;
+        bf16* kdst = kc + (j / kAmxRows) * dk * kAmxRows + j % kAmxRows * 2;
+        for (int64_t d = 0; d < dk; ++d) {
+          kdst[d / 2 * 2 * kAmxRows + d % 2] = real && d < head_dim ? ksrc[d] : bf16(0.f);
+        }
+        bf16* vdst = vc + j / 2 * 2 * dv + j % 2;
+        for (int64_t d = 0; d < dv; ++d) vdst[2 * d] = real && d < head_dim ? vsrc[d] : bf16(0.f);
+      }
+    }
+  });
+
+  // Pass 2, items in turn per thread as above.
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
+    AmxTiles amx;
+    std::vector<bf16> q_rows(max_rows * dk);          // (rows, dk), scaled, zero padded
+    std::vector<float> scores(max_rows * kKeyStep);   // (rows, keys): scores, then weights
+    std::vector<bf16> weights(max_rows * kKeyStep);  // the weights in bfloat16
+    std::vector<float> acc(max_rows * dv);            // (rows, dv), unnormalised
+    std::vector<float> row_max(max_rows), row_sum(max_rows);
+    constexpr int64_t kScoreStride = kKeyStep * sizeof(float);
+    constexpr int64_t kWeightStride = kKeyStep * sizeof(bf16);
+    const int64_t acc_stride = dv * sizeof(float), value_stride = 2 * dv * sizeof(bf16);
+    for (int64_t thread = thread_begin; thread < thread_end; ++thread) {
+      for (int64_t item = thread; item < num_items; item += num_threads) {
+        const int64_t c = std::upper_bound(first_item.begin(), first_item.end(), item) -
+                          first_item.begin() - 1;
+        const int64_t tile = (item - first_item[c]) / num_kv_heads;
+        const int64_t g = (item - first_item[c]) % num_kv_heads;
+        const int64_t q_len = q_lens[c], seq_len = lens[c];
+        const int64_t p0 = tile * kQueryTile, np = std::min(kQueryTile, q_len - p0);
+        const int64_t first_pos = seq_len - q_len + p0;
+        const int64_t rows = group * np, rows32 = up(rows, 2 * kAmxRows);
+        const bf16* keys = key_at(c, g);
+        const bf16* values = value_at(c, g);
+        std::fill(q_rows.begin(), q_rows.begin() + rows32 * dk, bf16(0.f));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* src = q_base + (starts[c] + p0 + r % np) * query_stride +
+                             (g * group + r / np) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) q_rows[r * dk + d] = bf16(src[d] * fscale);
+        }
+        std::fill(weights.begin(), weights.begin() + rows32 * kKeyStep, bf16(0.f));
+        std::fill(acc.begin(), acc.begin() + rows32 * dv, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + rows, kMinusInf);
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        const int64_t num_keys = first_pos + np;
+        const int64_t first_key = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) : 0;
+        for (int64_t j0 = first_key / kKeyStep * kKeyStep; j0 < num_keys; j0 += kKeyStep) {
+          const int64_t nk = std::min(kKeyStep, num_keys - j0), nk32 = up(nk, 2 * kAmxRows);
+          // scores[r][jj] = q_r . k_(j0 + jj), 32 rows by 32 keys at a time.
+          for (int64_t r0 = 0; r0 < rows32; r0 += 2 * kAmxRows) {
+            for (int64_t k0 = 0; k0 < nk32; k0 += 2 * kAmxRows) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+              const bf16* key_tiles = keys + (j0 + k0) / kAmxRows * dk * kAmxRows;
+              for (int64_t d0 = 0; d0 < dk; d0 += 2 * kAmxRows) {
+                _tile_loadd(4, q_rows.data() + r0 * dk + d0, dk * sizeof(bf16));
+                _tile_loadd(5, q_rows.data() + (r0 + kAmxRows) * dk + d0, dk * sizeof(bf16));
+                _tile_loadd(6, key_tiles + d0 * kAmxRows, 64);
+                _tile_loadd(7, key_tiles + dk * kAmxRows + d0 * kAmxRows, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
+              float* at = scores.data() + r0 * kKeyStep + k0;
+              _tile_stored(0, at, kScoreStride);
+              _tile_stored(1, at + kAmxRows, kScoreStride);
+              _tile_stored(2, at + kAmxRows * kKeyStep, kScoreStride);
+              _tile_stored(3, at + kAmxRows * kKeyStep + kAmxRows, kScoreStride);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = scores.data() + r * kKeyStep;
+            softmax_step(s, first_pos + r % np - j0, nk, nk32, window, fcap, row_max[r],
+                         row_sum[r], acc.data() + r * dv, dv);
+            bf16* w = weights.data() + r * kKeyStep;
+            for (int64_t j = 0; j < nk32; j += 2 * kAmxRows) {
+              _mm512_storeu_si512(w + j,
+                                  to_bf16(_mm512_loadu_ps(s + j), _mm512_loadu_ps(s + j + 16)));
+            }
+          }
+          // acc[r] += weights[r] @ values, 32 rows by 32 (or the last 16) columns at a time.
+          for (int64_t r0 = 0; r0 < rows32; r0 += 2 * kAmxRows) {
+            for (int64_t n0 = 0; n0 < dv; n0 += 2 * kAmxRows) {
+              const bool two = n0 + kAmxRows < dv;
+              float* at = acc.data() + r0 * dv + n0;
+              _tile_loadd(0, at, acc_stride);
+              _tile_loadd(2, at + kAmxRows * dv, acc_stride);
+              if (two) {
+                _tile_loadd(1, at + kAmxRows, acc_stride);
+                _tile_loadd(3, at + kAmxRows * dv + kAmxRows, acc_stride);
+              }
+              for (int64_t k0 = 0; k0 < nk32; k0 += 2 * kAmxRows) {
+                const bf16* w = weights.data() + r0 * kKeyStep + k0;
+                const bf16* v = values + (j0 + k0) / 2 * 2 * dv + 2 * n0;
+                _tile_loadd(4, w, kWeightStride);
+                _tile_loadd(5, w + kAmxRows * kKeyStep, kWeightStride);
+                _tile_loadd(6, v, value_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                  _tile_loadd(7, v + 2 * kAmxRows, value_stride);
+                  _tile_dpbf16ps(1, 4, 7);
+                  _tile_dpbf16ps(3, 5, 7);
+                }
+              }
+              _tile_stored(0, at, acc_stride);
+              _tile_stored(2, at + kAmxRows * dv, acc_stride);
+              if (two) {
+                _tile_stored(1, at + kAmxRows, acc_stride);
+                _tile_stored(3, at + kAmxRows * dv + kAmxRows, acc_stride);
+              }
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out_base + (starts[c] + p0 + r % np) * out_stride +
+                       (g * group + r / np) * head_dim;
+          const float inv = 1.f / row_sum[r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[r * dv + d] * inv;
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // Writes the rows of `out` that belong to the chunks; other rows are left as they are.
@@ -221,7 +443,18 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, int64_t window,
-                             double softcap) {
+                             double softcap, bool tiles) {
+  if (tiles) {
+#ifdef OCTAVO_AMX
+    TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && amx_permitted(),
+                "paged_prefill_attention: tiles need a bfloat16 cache and AMX tiles");
+    paged_prefill_attention_tiles(out, query, key_cache, value_cache, block_table, query_start,
+                                  query_lens, seq_lens, scale, window, softcap);
+    return;
+#else
+    TORCH_CHECK(false, "paged_prefill_attention: this build has no AMX path");
+#endif
+  }
   if (key_cache.scalar_type() == at::kBFloat16) {
     paged_prefill_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
                                                 query_start, query_lens, seq_lens, scale, window,

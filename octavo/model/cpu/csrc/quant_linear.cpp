@@ -17,9 +17,8 @@
 
 #include <optional>
 
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "ops.h"
 #include "quant_blocks.h"
 #include "simd.h"
@@ -586,38 +585,14 @@ inline void unpack_any(int64_t type, const uint8_t* row, int64_t k, const Unpack
 // partial chunk without its padding: each of its four vectors cut to the 8p bytes of its p
 // blocks) and x is packed in the same order, which a dot product does not see. Results: the
 // float32 product of the bf16-rounded operands, up to float32 summation order.
-#if defined(OCTAVO_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__)
-#define OCTAVO_AMX 1
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 the four 16 x 16 float sums (weight rows x x rows), 4-5 two 16-row slices of
+// Tiles 0-3 hold the four 16 x 16 float sums (weight rows x x rows), 4-5 two 16-row slices of
 // dequantized weights (32 bf16 each), 6-7 two 16-row slices of x in the pair-interleaved
-// layout tdpbf16ps takes for its second operand. Every tile is 16 rows of 64 bytes.
-struct AmxTiles {
-  AmxTiles() {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.colsb[t] = 64;
-      config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-  }
-  ~AmxTiles() { _tile_release(); }
-};
+// layout tdpbf16ps takes for its second operand (amx.h's AmxTiles).
+#ifdef OCTAVO_AMX
 
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kWeightTile = 2 * kTileRows;  // weight rows dequantized together
+constexpr int64_t kWeightTile = 2 * kAmxRows;  // weight rows dequantized together
 constexpr int64_t kSlice = 2 * kChunk;          // weights of a row per slice: 32 x 512 bf16 in L1
 constexpr int64_t kXPass = 256;                 // x rows per pass over the weights
-constexpr int64_t kTileFloats = kTileRows * kTileRows;
 
 // 16 floats (lanes of one chunk vector's 16-byte quarter) from its bytes, scaled.
 template <bool kSigned>
@@ -626,9 +601,6 @@ inline __m512 expand16(__m128i bytes, __m512 scale, __m512 bias) {
   return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias);
 }
 
-// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even (store_bf16's
-// rounding, in one instruction: every CPU with AMX-BF16 has AVX512-BF16).
-inline __m512i to_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
 // Weights of a partial last chunk of p blocks of 32 (k - e of them) in the tiles' order: each
 // chunk vector's first 8p values, one vector after another.
@@ -724,8 +696,8 @@ struct WeightTile {
 // (pair j, row r) the pair of bf16 values at positions 2j, 2j + 1 of row r (zeros past the
 // rows).
 std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
-  const int64_t k = x.size(1), kp = padded(k), groups = (m + kTileRows - 1) / kTileRows;
-  std::vector<uint32_t> packed(groups * kTileRows * k / 2, 0);
+  const int64_t k = x.size(1), kp = padded(k), groups = (m + kAmxRows - 1) / kAmxRows;
+  std::vector<uint32_t> packed(groups * kAmxRows * k / 2, 0);
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     std::vector<c10::BFloat16> row(kp, c10::BFloat16(0.f));
     for (int64_t i = begin; i < end; ++i) {
@@ -736,7 +708,7 @@ std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
         store_bf16(x.data_ptr<float>() + (row0 + i) * k, k, row.data());
       }
       uint32_t words[kChunk / 2];
-      uint32_t* group = packed.data() + (i / kTileRows) * kTileRows * k / 2;
+      uint32_t* group = packed.data() + (i / kAmxRows) * kAmxRows * k / 2;
       for (int64_t e = 0; e < k; e += kChunk) {
         // Word w of a chunk of p blocks (value 2w of its 4 x 8p: vector v = 2w / 8p, byte b =
         // 2w % 8p of it, so lane l = b / 4, half h = b % 4 / 2) holds in-order values
@@ -746,7 +718,7 @@ std::vector<uint32_t> pack_x(const at::Tensor& x, int64_t row0, int64_t m) {
         for (int64_t w = 0; w < segment * 2; ++w) {
           const int64_t v = 2 * w / segment, b = 2 * w % segment, l = b / 4, h = b % 4 / 2;
           const int64_t pair = (e / 2 + w);  // index among the row's lane-order pairs
-          group[(pair / 16) * 256 + (pair % 16) * 16 + i % kTileRows] = words[8 * l + 2 * v + h];
+          group[(pair / 16) * 256 + (pair % 16) * 16 + i % kAmxRows] = words[8 * l + 2 * v + h];
         }
       }
     }
@@ -762,12 +734,12 @@ inline void slice_products(const c10::BFloat16* weights, int64_t len, const uint
   const int64_t stride = len * sizeof(c10::BFloat16);
   for (int64_t e = 0; e < len; e += 32) {
     _tile_loadd(4, weights + e, stride);
-    _tile_loadd(5, weights + kTileRows * len + e, stride);
-    _tile_loadd(6, x + e / 2 * kTileRows, 64);
+    _tile_loadd(5, weights + kAmxRows * len + e, stride);
+    _tile_loadd(6, x + e / 2 * kAmxRows, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
     if constexpr (kGroups == 2) {
-      _tile_loadd(7, x + group_words + e / 2 * kTileRows, 64);
+      _tile_loadd(7, x + group_words + e / 2 * kAmxRows, 64);
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -776,16 +748,16 @@ inline void slice_products(const c10::BFloat16* weights, int64_t len, const uint
 
 inline void store_sums(float* sums) {
   _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + kTileFloats, 64);
-  _tile_stored(2, sums + 2 * kTileFloats, 64);
-  _tile_stored(3, sums + 3 * kTileFloats, 64);
+  _tile_stored(1, sums + kAmxFloats, 64);
+  _tile_stored(2, sums + 2 * kAmxFloats, 64);
+  _tile_stored(3, sums + 3 * kAmxFloats, 64);
 }
 
 inline void load_sums(const float* sums) {
   _tile_loadd(0, sums, 64);
-  _tile_loadd(1, sums + kTileFloats, 64);
-  _tile_loadd(2, sums + 2 * kTileFloats, 64);
-  _tile_loadd(3, sums + 3 * kTileFloats, 64);
+  _tile_loadd(1, sums + kAmxFloats, 64);
+  _tile_loadd(2, sums + 2 * kAmxFloats, 64);
+  _tile_loadd(3, sums + 3 * kAmxFloats, 64);
 }
 
 // out[i][j] for 32 rows of x and 32 weight rows from their four tiles' sums: tile 2 g + s holds
@@ -793,10 +765,10 @@ inline void load_sums(const float* sums) {
 inline void write_sums(const float* sums, int64_t xcount, int64_t wcount, float* out,
                        int64_t out_stride) {
   for (int64_t i = 0; i < xcount; ++i) {
-    const int64_t g = i / kTileRows, r = i % kTileRows;
+    const int64_t g = i / kAmxRows, r = i % kAmxRows;
     for (int64_t j = 0; j < wcount; ++j) {
       out[i * out_stride + j] =
-          sums[(2 * g + j / kTileRows) * kTileFloats + (j % kTileRows) * kTileRows + r];
+          sums[(2 * g + j / kAmxRows) * kAmxFloats + (j % kAmxRows) * kAmxRows + r];
     }
   }
 }
@@ -804,8 +776,8 @@ inline void write_sums(const float* sums, int64_t xcount, int64_t wcount, float*
 // One weight tile against `rows` rows of packed x, walking the weights slice by slice.
 void weight_tile_products(WeightTile& tile, c10::BFloat16* slice, const uint32_t* xpacked,
                           int64_t rows, std::vector<float>& sums, float* out, int64_t out_stride) {
-  const int64_t k = tile.k, group_words = kTileRows * k / 2;
-  const int64_t pairs = (rows + 2 * kTileRows - 1) / (2 * kTileRows);  // 32-row groups of x
+  const int64_t k = tile.k, group_words = kAmxRows * k / 2;
+  const int64_t pairs = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows);  // 32-row groups of x
   for (int64_t e0 = 0; e0 < k; e0 += kSlice) {
     const int64_t e1 = std::min(k, e0 + kSlice), len = e1 - e0;
     tile.dequantize(e0, e1, slice);
@@ -818,35 +790,29 @@ void weight_tile_products(WeightTile& tile, c10::BFloat16* slice, const uint32_t
           _tile_zero(2);
           _tile_zero(3);
         } else {
-          load_sums(sums.data() + p * 4 * kTileFloats);
+          load_sums(sums.data() + p * 4 * kAmxFloats);
         }
       }
-      const uint32_t* x = xpacked + 2 * p * group_words + e0 / 2 * kTileRows;
-      if (rows - 2 * kTileRows * p > kTileRows) {
+      const uint32_t* x = xpacked + 2 * p * group_words + e0 / 2 * kAmxRows;
+      if (rows - 2 * kAmxRows * p > kAmxRows) {
         slice_products<2>(slice, len, x, group_words);
       } else {
         slice_products<1>(slice, len, x, group_words);
       }
-      if (pairs > 1 || e1 == k) store_sums(sums.data() + p * 4 * kTileFloats);
+      if (pairs > 1 || e1 == k) store_sums(sums.data() + p * 4 * kAmxFloats);
     }
   }
   for (int64_t p = 0; p < pairs; ++p) {
-    write_sums(sums.data() + p * 4 * kTileFloats, std::min(2 * kTileRows, rows - 2 * kTileRows * p),
-               tile.count, out + 2 * kTileRows * p * out_stride, out_stride);
+    write_sums(sums.data() + p * 4 * kAmxFloats, std::min(2 * kAmxRows, rows - 2 * kAmxRows * p),
+               tile.count, out + 2 * kAmxRows * p * out_stride, out_stride);
   }
 }
 
-bool amx_permitted() {
-  // Linux hands out the tile registers' state per process, on request (ARCH_REQ_XCOMP_PERM
-  // for XFEATURE_XTILEDATA); a kernel without it answers no and the tiles stay unused.
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
 #endif
 
 }  // namespace
 
-bool quant_tiles_available() {
+bool amx_tiles_available() {
 #ifdef OCTAVO_AMX
   return amx_permitted();
 #else
@@ -872,7 +838,7 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int
       AmxTiles amx;
       WeightTile tile(type, k);
       std::vector<c10::BFloat16> slice(kWeightTile * kSlice);
-      std::vector<float> sums((rows + 2 * kTileRows - 1) / (2 * kTileRows) * 4 * kTileFloats);
+      std::vector<float> sums((rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * 4 * kAmxFloats);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t col0 = t * kWeightTile;
         tile.take(base, stride, col0, std::min(kWeightTile, n - col0));

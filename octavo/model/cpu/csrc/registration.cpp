@@ -47,16 +47,16 @@ TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
-      "Tensor seq_lens, float scale, int window, float softcap) -> ()");
+      "Tensor seq_lens, float scale, int window, float softcap, bool tiles=False) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
   // Block weights of one or more types as one projection (x quantized once, one parallel pass).
   m.def("quant_linear_parts(Tensor x, Tensor[] blocks, int[] types, int[] rows) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int type, int k, ScalarType dtype) -> Tensor");
   m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
-  // Many rows on block weights by AMX tiles, where quant_tiles_available().
+  // Many rows on block weights by AMX tiles, where amx_tiles_available().
   m.def("quant_linear_tiles(Tensor x, Tensor blocks, int type, int n) -> Tensor");
-  m.def("quant_tiles_available() -> bool", &octavo::quant_tiles_available);
+  m.def("amx_tiles_available() -> bool", &octavo::amx_tiles_available);
   // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
   m.def("quant_repacked_type(int type) -> int", &octavo::quant_repacked_type);
   // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
