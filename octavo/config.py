@@ -50,7 +50,10 @@ DEFAULT_MAX_LOGPROBS = 20
 # advance together, and one that arrives while others decode delays them by one chunk's time
 # (benchmarks/history/, "Prompt chunks while decoding"). 256 rather than 128: a 256-token
 # prompt then runs in one step, as do D's 256 new tokens per prompt (its p99 TTFT 2.4 s instead
-# of 2.7-3.4), with C's and D's p99 ITL unchanged ("The prompt cap at 256", ibid.).
+# of 2.7-3.4), with C's and D's p99 ITL unchanged ("The prompt cap at 256", ibid.). The cap
+# applies only to steps that carry decoding streams (core/scheduler.py): prompts that arrive
+# together with nothing decoding run whole, oldest first, so their first tokens come in turn
+# rather than all at the end of the burst.
 DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 # Tokens per KV block on a CPU (vLLM's CPU default too). Decode attention reads a request's
 # blocks from wherever they lie in the pool; 128 tokens make each block's keys a contiguous
@@ -308,7 +311,8 @@ class EngineArgs:
     )
     long_prefill_token_threshold: int | None = setting(
         None,
-        "at most this many prompt tokens of one request per step (0: no cap; default: "
+        "at most this many prompt tokens of one request per step while streams decode (0: "
+        "no cap; default: "
         f"{DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, no cap elsewhere)",
     )
     kv_cache_tokens: int | None = setting(None, "KV capacity in tokens", parse=human_readable_int)

@@ -32,6 +32,8 @@ class _StepPlan:
     already scheduled this step is preempted."""
 
     token_budget: int
+    # Whether prompt chunks are capped at the long-prefill threshold (streams are decoding).
+    cap_prompts: bool = False
     new_reqs: list[Request] = field(default_factory=list)
     running_reqs: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -142,6 +144,9 @@ class Scheduler:
            the output carries the counts from before this step.
         """
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        # The long-prefill cap protects streams that are decoding (a step's time grows with the
+        # prompt tokens it carries); a step without them takes prompts whole, oldest first.
+        plan.cap_prompts = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._schedule_running(plan)
         # A preemption says memory is short: admitting now would only preempt again.
         if not plan.preempted_req_ids:
@@ -159,22 +164,20 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = self._chunk(
-                request.num_tokens - request.num_computed_tokens, plan.token_budget
-            )
+            num_new_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, plan)
             if num_new_tokens <= 0:
                 continue
             block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if block_ids is not None:
                 plan.add_running(request, num_new_tokens, block_ids)
 
-    def _chunk(self, num_remaining: int, token_budget: int) -> int:
-        """Tokens a request runs this step: what it has left, within the budget and the
-        long-prefill cap."""
+    def _chunk(self, num_remaining: int, plan: _StepPlan) -> int:
+        """Tokens a request runs this step: what it has left, within the step's budget and,
+        where the step carries decoding streams, the long-prefill cap."""
         threshold = self.long_prefill_token_threshold
-        if 0 < threshold < num_remaining:
+        if plan.cap_prompts and 0 < threshold < num_remaining:
             num_remaining = threshold
-        return min(num_remaining, token_budget)
+        return min(num_remaining, plan.token_budget)
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -216,7 +219,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, plan.token_budget)
+            num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, plan)
             candidate = AdmissionCandidate(
                 request,
                 num_new_tokens,

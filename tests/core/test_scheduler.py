@@ -597,20 +597,22 @@ def test_mixed_workload_keeps_every_invariant() -> None:
     assert_all_free(scheduler)
 
 
-def test_long_prefill_threshold_caps_each_prompt_chunk() -> None:
+def test_long_prefill_threshold_caps_prompt_chunks_beside_decoding_streams() -> None:
     scheduler = create_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4)
-    a, b = create_requests(2, num_tokens=[10, 3])
+    a, b, c = create_requests(3, num_tokens=[10, 3, 9])
     scheduler.add_request(a)
     scheduler.add_request(b)
-    # Each prompt gets at most 4 tokens a step; a short one is not affected.
+    # No stream is decoding: the prompts run whole, within the budget.
     out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 4, "1": 3}
+    assert out.num_scheduled_tokens == {"0": 10, "1": 3}
+    # Now both decode: a prompt that arrives gets at most 4 tokens a step beside them.
+    scheduler.add_request(c)
     out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 4, "1": 1}
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 4}
     out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 2, "1": 1}
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 4}
     out, _ = step(scheduler)
-    assert out.num_scheduled_tokens == {"0": 1, "1": 1}
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 1}
     assert_all_free(scheduler)
 
 

@@ -55,10 +55,9 @@ class DenseWeight(LinearWeight):
         self.onednn_weight: Tensor | None = None
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        gemm = self._gemm
         if x.dtype == self.weight.dtype:
-            return gemm(x, bias)
-        out = gemm(x.to(self.weight.dtype), None).to(x.dtype)
+            return self._gemm(x, bias)
+        out = self._gemm(x.to(self.weight.dtype), None).to(x.dtype)
         return out if bias is None else out.add_(bias)
 
     def _gemm(self, x: Tensor, bias: Tensor | None) -> Tensor:
