@@ -335,6 +335,17 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(out, reference.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
 
 
+def test_silu_and_mul_of_bf16_rounds_the_float32_result_once():
+    """A bfloat16 gate_up gives what the float32 kernel gives on the same (exact) values,
+    rounded once to bfloat16 as torch rounds: bit for bit, so a feed-forward may keep its
+    activations in bfloat16 between two bf16 GEMMs (layers/mlp.py)."""
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (6 * torch.randn(9, 2 * 37, generator=gen)).bfloat16()
+    out = ops.silu_and_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 37)
+    assert torch.equal(out, ops.silu_and_mul(gate_up.float()).bfloat16())
+
+
 def test_sample_categorical_matches_the_torch_draw():
     """Logits where half the tokens were dropped by a filter (-inf), rows of 1 to 3,000 tokens
     (eight-token runs and tails), uniforms that include 0 and the largest float below 1: the

@@ -401,6 +401,27 @@ def test_float32_compute_over_bfloat16_weights_matches_the_rounded_model(tmp_pat
     torch.testing.assert_close(torch.cat([prefill, decodes]), expected, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.skipif(not build.load(), reason="CPU kernels not built")
+def test_a_bf16_feed_forward_keeps_its_activations_in_bf16_with_the_same_results(tmp_path):
+    """bfloat16 weights under float32 compute, a prompt step above the packed limit: both MLP
+    GEMMs round their inputs to bf16 and the SiLU kernel rounds its float32 result once, so
+    the MLP keeps gate_up and the activation in bf16 between them (no float32 round trip);
+    the logits are those of the float32 round trip, bit for bit."""
+    save_tiny_checkpoint(tmp_path, "llama", seed=6)
+    model, backend = load(
+        tmp_path, kv_cache_dtype=torch.bfloat16, max_rows=2, weight_dtype=torch.bfloat16
+    )
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(mlp._gemm_dtype(torch.zeros(3, 1)) == torch.bfloat16 for mlp in mlps)
+    assert all(mlp._gemm_dtype(torch.zeros(2, 1)) is None for mlp in mlps)  # the packed kernel
+    token_ids = _tokens(12, seed=9)
+    kept = PagedHarness(model, backend).step({"r": token_ids})["r"]
+    for mlp in mlps:
+        mlp.act_rounds_once = False  # the float32 round trip
+    round_trip = PagedHarness(model, backend).step({"r": token_ids})["r"]
+    assert torch.equal(kept, round_trip)
+
+
 # ---------------------------------------------------------------------- cache and metadata
 
 

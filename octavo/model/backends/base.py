@@ -52,6 +52,13 @@ class LayerOps(ABC):
         (num_tokens, inter), for HF's hidden_act name `act`. Raises ValueError for an
         activation this backend does not have."""
 
+    def act_and_mul_rounds_once(self, act: str) -> bool:
+        """Whether act_and_mul(act) also takes a bfloat16 gate_up, computes in float32 and
+        rounds the result once to bfloat16: what rounding a float32 result for a bfloat16
+        GEMM gives, so a feed-forward may keep the activations in bfloat16 between its two
+        GEMMs (layers/mlp.py)."""
+        return False
+
 
 @dataclass(slots=True)
 class AttentionPlan:

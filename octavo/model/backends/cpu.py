@@ -50,6 +50,9 @@ class CpuKernelOps(TorchOps):
             return ops.silu_and_mul
         return super().act_and_mul(act)
 
+    def act_and_mul_rounds_once(self, act: str) -> bool:
+        return act == "silu"
+
 
 @dataclass(slots=True)
 class PagedDecodes:

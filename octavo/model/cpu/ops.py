@@ -154,8 +154,9 @@ def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """gate_up: (num_tokens, 2 * inter) float32 contiguous, gate columns first. Returns
-    silu(gate) * up, (num_tokens, inter)."""
+    """gate_up: (num_tokens, 2 * inter) float32 or bfloat16 contiguous, gate columns first.
+    Returns silu(gate) * up, (num_tokens, inter) in gate_up's dtype, computed in float32 (a
+    bfloat16 result rounded once, to nearest even)."""
     return torch.ops.octavo.silu_and_mul(gate_up)
 
 

@@ -35,6 +35,12 @@ class LinearWeight(ABC):
         """(n, k): output and input features."""
         return tuple(self.dequantize().shape)  # type: ignore[return-value]
 
+    def gemm_input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype x is rounded to when `rows` rows are multiplied by torch's GEMM on a float
+        weight (its dtype), where this format does that; None where it does something else
+        for that many rows (a kernel of its own, blocks)."""
+        return None
+
     def embedding(self, ids: Tensor) -> Tensor:
         """Rows `ids` (num_tokens,) int64 of the weight, (num_tokens, k): the lookup of an
         embedding table held in this format."""
@@ -59,6 +65,9 @@ class DenseWeight(LinearWeight):
             return self._gemm(x, bias)
         out = self._gemm(x.to(self.weight.dtype), None).to(x.dtype)
         return out if bias is None else out.add_(bias)
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype | None:
+        return self.weight.dtype
 
     def _gemm(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.onednn_weight is not None:

@@ -9,6 +9,7 @@ of the weight is an exact bf16 number, so its results equal float32 compute's.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from octavo.model.cpu import ops
@@ -29,6 +30,9 @@ class PackedWeight(DenseWeight):
         if bias is not None:
             out += bias
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype | None:
+        return None if rows <= self.max_rows else self.weight.dtype
 
     @property
     def nbytes(self) -> int:

@@ -102,34 +102,63 @@ void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 
 // ---- SiLU-and-mul and the KV cache write -----------------------------------------------------
 
-// gate_up: (num_tokens, 2 * inter) float32 contiguous, the gate's columns first (the packed
-// gate/up projection). Returns silu(gate) * up = gate / (1 + exp(-gate)) * up, shape
-// (num_tokens, inter).
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  const int64_t num_tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({num_tokens, inter}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+namespace {
+
+// Eight floats as bfloat16, rounded to nearest even (as torch converts finite values).
+#ifdef OCTAVO_AVX2
+inline void store8(c10::BFloat16* p, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#endif
+
+template <typename T>
+void silu_and_mul_rows(const T* in, T* op, int64_t num_tokens, int64_t inter) {
   // A few rows per task: one decode row is ~2 us of work, less than waking a thread.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* gate = in + t * 2 * inter;
-      const float* up = gate + inter;
-      float* o = op + t * inter;
+      const T* gate = in + t * 2 * inter;
+      const T* up = gate + inter;
+      T* o = op + t * inter;
       int64_t i = 0;
 #ifdef OCTAVO_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= inter; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 g = load8(gate + i);
         const __m256 e = exp_any(_mm256_sub_ps(zero, g));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                              _mm256_loadu_ps(up + i)));
+        store8(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), load8(up + i)));
       }
 #endif
-      for (; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      for (; i < inter; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
     }
   });
+}
+
+}  // namespace
+
+// gate_up: (num_tokens, 2 * inter) float32 or bfloat16 contiguous, the gate's columns first
+// (the packed gate/up projection). Returns silu(gate) * up = gate / (1 + exp(-gate)) * up,
+// shape (num_tokens, inter), in gate_up's dtype: computed in float32, a bfloat16 result
+// rounded once to nearest even.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t num_tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({num_tokens, inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_and_mul_rows(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                      num_tokens, inter);
+  } else {
+    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), num_tokens, inter);
+  }
   return out;
 }
 

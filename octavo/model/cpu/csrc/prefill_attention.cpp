@@ -342,12 +342,23 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
         const bf16* keys = key_at(c, g);
         const bf16* values = value_at(c, g);
         std::fill(q_rows.begin(), q_rows.begin() + rows32 * dk, bf16(0.f));
+        const __m512 scale16 = _mm512_set1_ps(fscale);
         for (int64_t r = 0; r < rows; ++r) {
           const float* src = q_base + (starts[c] + p0 + r % np) * query_stride +
                              (g * group + r / np) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) q_rows[r * dk + d] = bf16(src[d] * fscale);
+          bf16* dst = q_rows.data() + r * dk;
+          int64_t d = 0;
+          for (; d + 16 <= head_dim; d += 16) {
+            const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(src + d), scale16);
+            const __m256bh rounded = _mm512_cvtneps_pbh(scaled);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)rounded);
+          }
+          for (; d < head_dim; ++d) dst[d] = bf16(src[d] * fscale);
         }
-        std::fill(weights.begin(), weights.begin() + rows32 * kKeyStep, bf16(0.f));
+        // Rows past the item's (padding up to 32) weigh nothing; the others are written at
+        // every key step up to that step's keys.
+        std::fill(weights.begin() + rows * kKeyStep, weights.begin() + rows32 * kKeyStep,
+                  bf16(0.f));
         std::fill(acc.begin(), acc.begin() + rows32 * dv, 0.f);
         std::fill(row_max.begin(), row_max.begin() + rows, kMinusInf);
         std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
