@@ -89,9 +89,12 @@ def test_logprobs(llm) -> None:
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-5)
 
 
-def test_prompts_run_in_256_token_chunks_on_a_cpu_unless_set(make_llm, llm, monkeypatch) -> None:
-    """The CPU default caps each prompt's chunk per step (a long prompt must not freeze the
-    running streams); an explicit value, 0 included, is kept."""
+def test_prompts_run_in_256_token_chunks_beside_decoding_streams_on_a_cpu_unless_set(
+    make_llm, llm, monkeypatch
+) -> None:
+    """The CPU default caps each prompt's chunk in a step that carries decoding streams (a
+    long prompt must not freeze them); a step without them takes the prompt whole within the
+    token budget. An explicit value, 0 included, is kept."""
     assert llm.llm_engine.config.device == "cpu"
     assert llm.llm_engine.config.scheduler.long_prefill_token_threshold == 256
     uncapped = make_llm(long_prefill_token_threshold=0)
@@ -105,13 +108,21 @@ def test_prompts_run_in_256_token_chunks_on_a_cpu_unless_set(make_llm, llm, monk
         return output
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
-    prompt = list(range(100, 550))  # 450 tokens: chunks of 256 and 194
-    engine.add_request(
-        "long", prompt, SamplingParams(temperature=0.0, max_tokens=2), OutputKind.FINAL_ONLY
-    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    # Alone: 450 tokens in one step, then the second token.
+    engine.add_request("long", list(range(100, 550)), greedy, OutputKind.FINAL_ONLY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert chunks == [256, 194, 1]
+    assert chunks == [450, 1]
+    # Beside a decoding stream: chunks of 256 and 194 (another prompt: no cached prefix).
+    streaming = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("stream", [5, 6, 7], streaming, OutputKind.FINAL_ONLY)
+    engine.step()
+    chunks.clear()
+    engine.add_request("long", list(range(600, 1050)), greedy, OutputKind.FINAL_ONLY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [c for c in chunks if c is not None] == [256, 194, 1]
     assert_no_leak(llm)
 
 

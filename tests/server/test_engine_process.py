@@ -89,19 +89,30 @@ def test_the_request_log_across_the_boundary_and_no_core_left_behind(tmp_path) -
     server = start_serve(port, "--request-log", str(log))
     try:
         core = _engine_core(server)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "stop": [" "]}
-        response = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json=body,
-            headers={"Authorization": "Bearer k"},
-            timeout=60,
-        )
-        assert response.json()["choices"][0]["finish_reason"] == "stop", response.text
+
+        def complete(**fields) -> dict:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40}
+            body |= {"temperature": 0, "ignore_eos": True}
+            response = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json=body | fields,
+                headers={"Authorization": "Bearer k"},
+                timeout=60,
+            )
+            return response.json()["choices"][0]
+
+        # The random model's greedy text names a stop string it is sure to meet.
+        text = complete()["text"]
+        stop = text[len(text) // 2]
+        choice = complete(stop=[stop])
+        assert choice["finish_reason"] == "stop", choice
+        assert choice["text"] == text[: text.index(stop)], (choice, text)
         deadline = time.monotonic() + 10
-        while not log.exists() or not log.read_text():
+        while not log.exists() or len(log.read_text().splitlines()) < 2:
             assert time.monotonic() < deadline, "no request log line"
             time.sleep(0.1)
-        (entry,) = [json.loads(line) for line in log.read_text().splitlines()]
+        first, entry = [json.loads(line) for line in log.read_text().splitlines()]
+        assert first["finish_reason"] == "length", first
         assert entry["finish_reason"] == "stop" and entry["completion_tokens"] >= 1, entry
         server.send_signal(signal.SIGKILL)
         server.wait(10)
