@@ -174,6 +174,8 @@ class EngineConfig:
     # Ranks the model is split over (worker/executor.py); each holds 1 / tensor_parallel_size
     # of every token's KV.
     tensor_parallel_size: int = 1
+    # How its ranks run (worker/setup.py picks the executor): mp, ray or external_launcher.
+    distributed_executor_backend: str = "mp"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -396,8 +398,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = setting(
         None,
         "how the tensor-parallel ranks run: mp (processes on this machine, the default above "
-        "one rank) or uni (one rank, in the engine's process); ray and external_launcher are "
-        "refused for now (issue 26)",
+        "one rank), ray (Ray actors on the cluster ray.init() finds, machines included; pip "
+        "install 'octavo[ray]'), external_launcher (each rank a process torchrun started, "
+        "offline LLM only) or uni (one rank, in the engine's process)",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
     data_parallel_size: int = setting(
@@ -427,11 +430,6 @@ class EngineArgs:
             raise ValueError(
                 f"distributed_executor_backend must be one of "
                 f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got {backend!r}."
-            )
-        if backend in ("ray", "external_launcher"):
-            raise ValueError(
-                f"distributed_executor_backend={backend!r} is not supported yet (issue 26): mp "
-                "runs the tensor-parallel ranks as processes on this machine."
             )
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
@@ -631,6 +629,11 @@ class EngineArgs:
             chat_template=load_chat_template(self.chat_template),
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=(
+                "mp"
+                if self.distributed_executor_backend in (None, "uni")
+                else self.distributed_executor_backend
+            ),
         )
 
     def _num_kv_blocks(

@@ -250,7 +250,7 @@ def build_core_parts(
     config = args.create_engine_config(
         facts.platform, facts.model_config, facts.model_path, facts.weight_bytes
     )
-    runner, backend = build_model_runner(config)
+    runner, backend, config = build_model_runner(config)
     config = dataclasses.replace(config, backend_choices=backend.describe())
     logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
     logger.info("resolved configuration: %s", config.to_json())

@@ -97,6 +97,10 @@ KERNELS = (
 )
 OFFLOAD = "on a CPU the weights already live in host memory; there is nothing to offload"
 LORA_ONLY = "configures LoRA adapters, which need --enable-lora (" + NOT_PLANNED + ")"
+SEVERAL_MACHINES = (
+    "octavo's mp ranks run on one machine; --distributed-executor-backend ray spans machines "
+    "(or torchrun with external_launcher)"
+)
 NUMA = "octavo runs one process on the CPUs it is given; bind it with numactl or taskset"
 METRICS = (
     "octavo exports its metrics at /metrics; this vLLM tracing or metric option has no equivalent"
@@ -120,8 +124,8 @@ DISPOSITIONS: dict[str, Disposition] = {
     "data_parallel_size_local": _only(_is_one, "data parallelism: " + SCALE_OUT),
     "decode_context_parallel_size": _only(_is_one, "context parallelism: " + NOT_PLANNED),
     "prefill_context_parallel_size": _only(_is_one, "context parallelism: " + NOT_PLANNED),
-    "nnodes": _only(_is_one, "several machines: " + SCALE_OUT),
-    "node_rank": _only(_is_zero, "several machines: " + SCALE_OUT),
+    "nnodes": _only(_is_one, "several machines: " + SEVERAL_MACHINES),
+    "node_rank": _only(_is_zero, "several machines: " + SEVERAL_MACHINES),
     "data_parallel_rank": _only(_is_zero, "data parallelism: " + SCALE_OUT),
     "data_parallel_start_rank": _only(_is_zero, "data parallelism: " + SCALE_OUT),
     "api_server_count": _only(_is_one, "several API server processes: " + SCALE_OUT),

@@ -73,16 +73,26 @@ def weight_file_bytes(model_path: str) -> int:
     return sum(file.stat().st_size for file in weight_files(Path(model_path)))
 
 
-def build_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelBackend]:
+def build_model_runner(
+    config: EngineConfig,
+) -> tuple[ModelRunner, ModelBackend, EngineConfig]:
     """The backend select_backend picks for the config, the model loaded with it, and the
     runner over them (which allocates the KV cache); with tensor_parallel_size > 1, the
-    executor over that many ranks (worker/executor.py), with rank 0's backend."""
+    executor over that many ranks that `distributed_executor_backend` names
+    (worker/executor.py), with rank 0's backend. Also the config the engine runs by: `config`,
+    or under an external launcher the one every rank agreed on."""
     if config.tensor_parallel_size > 1:
-        from octavo.worker.executor import MultiprocExecutor
+        from octavo.worker import executor as executors
 
-        executor = MultiprocExecutor(config)
-        return executor, executor.backend  # type: ignore[return-value]
-    return build_rank_runner(config, TRIVIAL)
+        kind = {
+            "ray": executors.RayExecutor,
+            "external_launcher": executors.ExternalLauncherExecutor,
+        }.get(config.distributed_executor_backend or "mp", executors.MultiprocExecutor)
+        executor = kind(config)
+        agreed = getattr(executor, "config", config)
+        return executor, executor.backend, agreed  # type: ignore[return-value]
+    runner, backend = build_rank_runner(config, TRIVIAL)
+    return runner, backend, config
 
 
 def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, ModelBackend]:

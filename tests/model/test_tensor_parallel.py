@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -170,8 +171,109 @@ def test_what_does_not_split_is_refused_with_the_reason(tmp_path) -> None:
     assert "mixture-of-experts" in incompatibility(moe, 2)
     with pytest.raises(ValueError, match="9 attention heads do not split evenly over 2 ranks"):
         LLM(tensor_parallel_size=2)  # the embedded model: 9 heads
-    with pytest.raises(ValueError, match="not supported yet"):
-        LLM(tensor_parallel_size=2, distributed_executor_backend="ray")
+    save_tiny_checkpoint(tmp_path, "llama", seed=5)  # its heads split over 2 ranks
+    _save_tokenizer(tmp_path)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node=2"):
+        LLM(str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+
+
+# One rank of a torchrun group (external_launcher): the same prompts as _generate, its tokens
+# written to OUT/<rank>.json.
+TORCHRUN_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from tests.model.test_tensor_parallel import _generate
+tokens = _generate({folder!r}, 2, distributed_executor_backend="external_launcher")
+with open(os.path.join({out!r}, os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(tokens, f)
+"""
+
+
+def test_ranks_torchrun_starts_give_one_ranks_tokens(tmp_path) -> None:
+    """distributed_executor_backend='external_launcher': torchrun starts two processes, each a
+    whole engine holding one rank's share; every rank's tokens are those of one rank alone."""
+    import json
+
+    from tests.server.utils import free_port
+
+    save_tiny_checkpoint(tmp_path, "llama", seed=5)
+    _save_tokenizer(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_SCRIPT.format(root=root, folder=str(tmp_path), out=str(tmp_path)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = _generate(tmp_path, 1)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == expected
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray cluster (`ray start --head`, 2 CPUs) the engine finds through RAY_ADDRESS;
+    stopped afterwards. Its temporary folder is short: Ray's socket paths must fit in 107 bytes."""
+    pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    from tests.server.utils import free_port
+
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = free_port()
+    start = [ray_cli, "start", "--head", "--port", str(port), "--num-cpus", "2"]
+    start += ["--include-dashboard=false", "--disable-usage-stats"]
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    start += ["--object-store-memory", str(100 * 2**20), "--temp-dir", temp_dir]
+    done = subprocess.run(start, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ranks_as_ray_actors_give_one_ranks_tokens_and_a_killed_actor_fails_the_step(
+    tmp_path, ray_cluster
+) -> None:
+    import ray
+
+    from octavo.worker.executor import WorkerDeadError
+
+    save_tiny_checkpoint(tmp_path, "llama", seed=5)
+    _save_tokenizer(tmp_path)
+    expected = _generate(tmp_path, 1)
+    assert _generate(tmp_path, 2, distributed_executor_backend="ray") == expected
+    assert not ray.is_initialized()  # the engine that connected has disconnected
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        kv_cache_tokens=256,
+        max_model_len=64,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    try:
+        executor = llm.llm_engine.model_runner
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompt = {"prompt_token_ids": PROMPTS[0]}
+        assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        ray.kill(executor._actors[0])
+        with pytest.raises(WorkerDeadError, match="worker 1 \\(Ray actor\\)"):
+            for _ in range(50):  # until Ray has seen the actor die
+                llm.generate(prompt, params, use_tqdm=False)
+                time.sleep(0.1)
+    finally:
+        llm.llm_engine.core.shutdown()
 
 
 def _serve_tiny(folder, port: int) -> subprocess.Popen:

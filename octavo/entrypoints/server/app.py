@@ -422,6 +422,11 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     its requests fail, /health answers 503 while the server closes)."""
     from octavo.entrypoints.server.http_server import make_server
 
+    if engine_args.distributed_executor_backend == "external_launcher":
+        raise ValueError(
+            "distributed_executor_backend='external_launcher' is for the offline LLM in "
+            "processes torchrun starts; octavo serve starts its ranks itself (mp or ray)."
+        )
     if config.engine_in_process:
         # Built on the thread that will step it: one OpenMP team for all of its torch work.
         async_engine = AsyncEngine.from_factory(lambda: LLMEngine.from_engine_args(engine_args))
