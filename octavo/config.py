@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import json
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,20 @@ DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 # "Decode attention in sixteen lanes, huge pages, 128-token blocks"). GPUs keep 16.
 DEFAULT_CPU_BLOCK_SIZE = 128
 DEFAULT_GPU_BLOCK_SIZE = 16
+# --generation-config: where the sampling defaults come from ("auto": the model's
+# generation_config.json, "vllm": none, vLLM's own defaults; any other value: a folder, or a
+# Hub id, holding a generation_config.json).
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+# generation_config.json key -> SamplingParams field: the keys vLLM takes as the defaults of a
+# request that leaves the field unset (Hugging Face's max_new_tokens is vLLM's max_tokens).
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 # --------------------------------------------------------------------------- resolved configs
@@ -176,6 +190,30 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # How its ranks run (worker/setup.py picks the executor): mp, ray or external_launcher.
     distributed_executor_backend: str = "mp"
+    # Where the tokenizer and its chat template are loaded from (--tokenizer, resolved to a
+    # folder or a .gguf file); "": the model's path.
+    tokenizer: str = ""
+    # --generation-config as given, and --override-generation-config's keys (Hugging Face's
+    # names); the server's max_tokens rule tells them apart (sampling_max_tokens_cap).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # The defaults of a request that leaves a field unset, as SamplingParams field names: the
+    # generation config's with the overrides on top (vLLM's get_diff_sampling_param).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def max_tokens_cap(self) -> int | None:
+        """The max_tokens no server request may exceed, its own included (vLLM's
+        override_max_tokens): a --generation-config folder's max_new_tokens (with the
+        overrides), else --override-generation-config's; None: no cap. The model's own
+        max_new_tokens is only a default."""
+        if self.generation_config not in GENERATION_CONFIG_SOURCES:
+            return self.sampling_defaults.get("max_tokens")
+        return self.override_generation_config.get("max_new_tokens")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -248,6 +286,30 @@ def human_readable_int(text: str) -> int:
         ) from None
 
 
+def json_object(text: str, name: str) -> dict[str, Any]:
+    """A setting's JSON object (vLLM's dict-valued flags); ValueError naming the setting for
+    anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name} is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return value
+
+
+def json_object_flag(name: str) -> Callable[[str], dict[str, Any]]:
+    """json_object as an argparse type: its message, not argparse's "invalid value"."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            return json_object(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def model_len(text: str) -> int | None:
     """--max-model-len: human_readable_int, or auto / -1 for the model's own (capped)."""
     if str(text).strip().lower() in ("auto", "-1"):
@@ -272,6 +334,16 @@ class EngineArgs:
         None,
         "where Hub models are cached (default: huggingface_hub's cache, HF_HOME / HF_HUB_CACHE)",
         metavar="DIR",
+    )
+    tokenizer: str | None = setting(
+        None,
+        "load the tokenizer and its chat template from this HF folder, .gguf file or Hub id "
+        "instead of from the model",
+        metavar="NAME_OR_PATH",
+    )
+    tokenizer_revision: str | None = setting(
+        None,
+        "the branch, tag or commit of a Hub id --tokenizer (default: --revision)",
     )
     served_model_name: str | list[str] | None = setting(
         None,
@@ -372,6 +444,21 @@ class EngineArgs:
         "Jinja chat template (a file, or the template text) that replaces the model's own",
         metavar="PATH_OR_TEMPLATE",
     )
+    generation_config: str = setting(
+        "auto",
+        "where the defaults of the sampling fields a request leaves unset come from: auto (the "
+        "model's generation_config.json), vllm (none: SamplingParams' own), or a folder (or Hub "
+        "id) holding a generation_config.json, whose max_new_tokens then caps every request",
+        metavar="auto|vllm|FOLDER",
+    )
+    override_generation_config: dict[str, Any] | None = setting(
+        None,
+        "a JSON object of generation defaults over those of --generation-config, with Hugging "
+        'Face\'s names, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (the last caps '
+        "every request's max_tokens)",
+        metavar="JSON",
+        parse=json_object_flag("override_generation_config"),
+    )
     attention_backend: str = setting(
         "auto",
         "attention implementation (auto: cpu_paged on a CPU with the kernels and a float32 or "
@@ -415,6 +502,17 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a missing file fails here, not at serve time
+        if isinstance(self.override_generation_config, str):  # LLM(...) may pass vLLM's JSON
+            self.override_generation_config = json_object(
+                self.override_generation_config, "override_generation_config"
+            )
+        if not isinstance(self.override_generation_config, (dict, type(None))):
+            raise ValueError(
+                "override_generation_config must be a dict (a JSON object), got "
+                f"{type(self.override_generation_config).__name__}."
+            )
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, vllm or a folder; got ''.")
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             setattr(self, name, DTYPE_ALIASES.get(value, value))
@@ -535,10 +633,15 @@ class EngineArgs:
         model_config: ModelConfig,
         model_path: str,
         weight_bytes: int = 0,
+        *,
+        tokenizer_path: str = "",
+        generation_defaults: Mapping[str, Any] | None = None,
     ) -> EngineConfig:
         """Every effective setting for this machine and model (whose weight files hold
-        weight_bytes). Raises ValueError naming the setting when the capacity asked for cannot
-        hold what is asked of it."""
+        weight_bytes). `tokenizer_path`: the resolved --tokenizer ("": the model's);
+        `generation_defaults`: the sampling defaults of a --generation-config folder (None:
+        the model's own, model_config.sampling_defaults). Raises ValueError naming the setting
+        when the capacity asked for cannot hold what is asked of it."""
         block_types = model_config.weight_block_types
         if self.quantization not in (None, "gguf"):
             block_types = (self.quantization.upper(),)
@@ -634,7 +737,28 @@ class EngineArgs:
                 if self.distributed_executor_backend in (None, "uni")
                 else self.distributed_executor_backend
             ),
+            tokenizer=tokenizer_path,
+            generation_config=self.generation_config,
+            override_generation_config=dict(self.override_generation_config or {}),
+            sampling_defaults=self._sampling_defaults(model_config, generation_defaults),
         )
+
+    def _sampling_defaults(
+        self, model_config: ModelConfig, generation_defaults: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """vLLM's get_diff_sampling_param: the generation config's defaults (none under
+        `vllm`), then the overrides key by key; an override of null drops that default."""
+        if self.generation_config == "vllm":
+            defaults: dict[str, Any] = {}
+        elif generation_defaults is not None:
+            defaults = dict(generation_defaults)
+        else:
+            defaults = dict(model_config.sampling_defaults)
+        overrides = self.override_generation_config or {}
+        for key, name in GENERATION_DEFAULT_FIELDS.items():
+            if key in overrides:
+                defaults[name] = overrides[key]
+        return {name: value for name, value in sorted(defaults.items()) if value is not None}
 
     def _num_kv_blocks(
         self,
@@ -856,6 +980,16 @@ def _check_scheduling(
         raise ValueError(
             f"preempt_victim must be one of {', '.join(victims)}; got {preempt_victim!r}."
         )
+
+
+def sampling_defaults_from(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a generation_config.json gives, by SamplingParams field name
+    (GENERATION_DEFAULT_FIELDS; its other keys and unset values are no defaults)."""
+    return {
+        name: generation_config[key]
+        for key, name in GENERATION_DEFAULT_FIELDS.items()
+        if generation_config.get(key) is not None
+    }
 
 
 # Characters that mark a value as template text rather than a path (vLLM's test).

@@ -48,10 +48,10 @@ def sample_argv(flag: dict) -> list[str]:
     option = flag["options"][0]
     if flag["nargs"] == 0:
         return [option]
-    own = next(
-        (a for a in serve_parser()._actions if option in a.option_strings and a.choices), None
-    )
-    choices = list(own.choices) if own is not None else flag["choices"]
+    own = next((a for a in serve_parser()._actions if option in a.option_strings), None)
+    if own is not None and own.metavar == "JSON":
+        return [option, "{}"]  # octavo's dict-valued flags parse their JSON object
+    choices = list(own.choices) if own is not None and own.choices else flag["choices"]
     value = str(choices[0]) if choices else "1"
     return [option, value]
 
@@ -268,3 +268,59 @@ def test_several_served_model_names(tiny_model_config):
         served_model_name=["a", "b", "a"], kv_cache_tokens=1024
     ).create_engine_config(_platform(8 << 30), tiny_model_config, "m")
     assert (config.served_model_name, config.served_model_names) == ("a", ("a", "b"))
+
+
+def test_tokenizer_and_generation_config_flags_parse_as_vllm_takes_them(tiny_model_config):
+    ns = serve_parser().parse_args(
+        [
+            *("--tokenizer", "org/tok", "--tokenizer-revision", "v1"),
+            *("--generation-config", "vllm"),
+            *("--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 7}'),
+        ]
+    )
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.tokenizer, args.tokenizer_revision) == ("org/tok", "v1")
+    assert args.generation_config == "vllm"
+    assert args.override_generation_config == {"temperature": 0.5, "max_new_tokens": 7}
+    assert check_namespace(ns) == []
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--override-generation-config", "[1]"])
+    with pytest.raises(ValueError, match="override_generation_config is not valid JSON"):
+        EngineArgs(override_generation_config="{temperature: 1}")
+    # LLM(...) takes vLLM's dict, or its JSON text.
+    assert EngineArgs(override_generation_config='{"top_k": 3}').override_generation_config == {
+        "top_k": 3
+    }
+
+
+def test_generation_defaults_come_from_the_source_with_the_overrides_on_top(tiny_model_config):
+    """vLLM's get_diff_sampling_param: auto takes the model's generation_config.json, vllm none,
+    a folder its own; overrides replace or add keys (max_new_tokens is max_tokens), null drops
+    one. Only an override's or a folder's max_new_tokens caps a request's own max_tokens."""
+    import dataclasses
+
+    model = dataclasses.replace(
+        tiny_model_config, sampling_defaults=(("max_tokens", 64), ("temperature", 0.6))
+    )
+    overrides = {"temperature": None, "top_p": 0.9, "max_new_tokens": 32, "unrelated": 1}
+
+    def resolve(folder_defaults=None, **settings):
+        config = EngineArgs(kv_cache_tokens=1024, **settings).create_engine_config(
+            _platform(8 << 30), model, "m", generation_defaults=folder_defaults
+        )
+        return config.sampling_defaults, config.max_tokens_cap
+
+    assert resolve() == ({"max_tokens": 64, "temperature": 0.6}, None)
+    assert resolve(override_generation_config={"top_k": 5}) == (
+        {"max_tokens": 64, "temperature": 0.6, "top_k": 5},
+        None,
+    )
+    assert resolve(override_generation_config=overrides) == ({"max_tokens": 32, "top_p": 0.9}, 32)
+    assert resolve(generation_config="vllm") == ({}, None)
+    assert resolve(generation_config="vllm", override_generation_config={"top_k": 5}) == (
+        {"top_k": 5},
+        None,
+    )
+    folder = {"max_tokens": 16, "min_p": 0.1}
+    assert resolve(folder, generation_config="gen") == (folder, 16)
+    assert resolve({"min_p": 0.1}, generation_config="gen") == ({"min_p": 0.1}, None)

@@ -167,11 +167,10 @@ class MPEngine:
             raise
         info = infos[0]
         self.config = info.config
-        self.sampling_defaults = dict(info.sampling_defaults)
         # Imported here: the tokenizer library's import is the frontend's alone.
         from octavo.engine.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.config.model, self.config.chat_template)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
         # Validation only (the cores compile their own grammars for the steps).
         structured = StructuredOutputManager(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.input_processor = InputProcessor(
@@ -210,7 +209,7 @@ class MPEngine:
     # --- LLMEngine's interface, for the server ----------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.sampling_defaults)
+        return SamplingParams(**self.config.sampling_defaults)
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Hand every later step's stats to `stat_logger` (on the output thread)."""

@@ -59,7 +59,6 @@ class CoreInfo:
     config: EngineConfig
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    sampling_defaults: dict[str, Any]
 
 
 def run_engine_core(
@@ -101,7 +100,7 @@ def run_engine_core(
     conn.send(
         (
             "ready",
-            CoreInfo(config, runner.vocab_size, eos, dict(runner.model_config.sampling_defaults)),
+            CoreInfo(config, runner.vocab_size, eos),
         )
     )
     # Never outlive the frontend (a frontend that shuts down cleanly joins the core first).

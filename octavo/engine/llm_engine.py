@@ -49,11 +49,8 @@ class LLMEngine:
         model_runner: ModelRunner,
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: tuple[int, ...],
-        sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.config = config
-        # The model's generation_config.json sampling values (vLLM's defaults when unset).
-        self.sampling_defaults = dict(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.core = EngineCore(config, model_runner, tokenizer, eos_token_ids)
         self.input_processor = InputProcessor(
@@ -99,15 +96,17 @@ class LLMEngine:
                 "processes behind one server."
             )
         config, runner, tokenizer, eos = build_core_parts(args)
-        engine = cls(config, runner, tokenizer, eos, dict(runner.model_config.sampling_defaults))
+        engine = cls(config, runner, tokenizer, eos)
         freeze_startup_objects()
         return engine
 
     # --- requests -----------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() with the model's generation_config defaults applied."""
-        return SamplingParams(**self.sampling_defaults)
+        """SamplingParams() with the generation config's defaults applied (the model's
+        generation_config.json unless --generation-config says otherwise, with
+        --override-generation-config on top: config.sampling_defaults)."""
+        return SamplingParams(**self.config.sampling_defaults)
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
@@ -248,7 +247,12 @@ def build_core_parts(
 
     facts = probe(args)
     config = args.create_engine_config(
-        facts.platform, facts.model_config, facts.model_path, facts.weight_bytes
+        facts.platform,
+        facts.model_config,
+        facts.model_path,
+        facts.weight_bytes,
+        tokenizer_path=facts.tokenizer_path,
+        generation_defaults=facts.generation_defaults,
     )
     runner, backend, config = build_model_runner(config)
     config = dataclasses.replace(config, backend_choices=backend.describe())
@@ -273,7 +277,7 @@ def build_core_parts(
             len(sliding),
             model_config.num_hidden_layers,
         )
-    tokenizer = load_tokenizer(config.model, config.chat_template)
+    tokenizer = load_tokenizer(config.tokenizer_path, config.chat_template)
     eos = model_config.eos_token_ids or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     )

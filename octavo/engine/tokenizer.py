@@ -1,4 +1,5 @@
-"""Loads the tokenizer (and its chat template) that belongs to a model path.
+"""Loads the tokenizer (and its chat template) that belongs to a model path, or the one
+`--tokenizer` names instead (any of the same kinds of path).
 
 GGUF files carry their vocabulary, merges and chat template in metadata; transformers builds a
 fast tokenizer from them. Hugging Face folders use their own tokenizer files
@@ -19,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
-    """`model_path` is a resolved model location: a .gguf file or a Hugging Face folder;
-    `chat_template` (template text, already read from its file) replaces the model's."""
+    """`model_path` is a resolved model or tokenizer location: a .gguf file or a Hugging Face
+    folder (a tokenizer's may hold only its tokenizer files); `chat_template` (template text,
+    already read from its file) replaces the model's."""
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from octavo.config import EngineArgs
+from octavo.config import EngineArgs, json_object_flag
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +99,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--enable-force-include-usage",
         action="store_true",
         help="end every stream with a usage chunk, whether stream_options asks for it or not",
+    )
+    group.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object_flag("default_chat_template_kwargs"),
+        default=None,
+        metavar="JSON",
+        help="a JSON object of keyword arguments every chat request's template gets, e.g. "
+        "'{\"enable_thinking\": false}'; a request's own chat_template_kwargs win key by key",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="name each token of a response's logprobs `token_id:ID` instead of by its text "
+        "(for tokens whose text is not valid UTF-8 on its own)",
     )
     group.add_argument(
         "--enable-request-id-headers",
@@ -241,6 +256,8 @@ def server_config_from(ns: argparse.Namespace):
         disable_fastapi_docs=ns.disable_fastapi_docs,
         response_role=ns.response_role,
         enable_force_include_usage=ns.enable_force_include_usage,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         enable_request_id_headers=ns.enable_request_id_headers,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,

@@ -198,7 +198,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "runner": _only(_is_in("auto", "generate"), "pooling models: " + API),
     "convert": _only(_is_in("auto", "none"), "embedding and classification models: " + API),
     "pooler_config": _refused("pooling models: " + API),
-    "tokenizer": _refused("a tokenizer from elsewhere than the model: " + DROP_IN),
     "tokenizer_mode": _no(
         "octavo reads the model's tokenizer.json (or the GGUF's vocabulary) with the tokenizers "
         "library"
@@ -210,7 +209,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "allowed_local_media_path": _no(TEXT_ONLY),
     "allowed_media_domains": _no(TEXT_ONLY),
     "code_revision": _no("octavo runs no code from a checkpoint"),
-    "tokenizer_revision": _refused("Hugging Face Hub ids and revisions: " + DROP_IN),
     "quantization_config": _refused("octavo quantizes with --quantization TYPE (GGML block types)"),
     "allow_deprecated_quantization": _no("octavo's --quantization types are all current"),
     "enforce_eager": _no("octavo has no CUDA graphs or compiled graphs: it always runs eagerly"),
@@ -233,8 +231,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "hf_token": _refused("Hugging Face Hub downloads: " + DROP_IN),
     "hf_overrides": _refused("config overrides: " + DROP_IN),
     "model_class_overrides": _refused("model class overrides: octavo's models are its own"),
-    "generation_config": _refused("a generation_config.json from elsewhere: " + DROP_IN),
-    "override_generation_config": _refused("generation defaults overrides: " + DROP_IN),
     "enable_sleep_mode": _refused("sleep / wake_up: " + DROP_IN),
     "sleep_mode_offload_cudagraph": _no(CPU_ONLY),
     "sleep_preserve_parameter_names": _no("applies with --enable-sleep-mode only"),
@@ -318,8 +314,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     ),
     "trust_request_chat_template": _refused("a chat template in the request: " + DROP_IN),
     "trust_request_mm_kwargs": _no(TEXT_ONLY),
-    "default_chat_template_kwargs": _refused("default chat template kwargs: " + DROP_IN),
-    "return_tokens_as_token_ids": _refused("logprob tokens as token ids: " + DROP_IN),
     "exclude_tools_when_tool_choice_none": _refused(
         "leaving tools out of the prompt under tool_choice none: " + DROP_IN
     ),

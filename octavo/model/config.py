@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from octavo.config import sampling_defaults_from
 from octavo.model.arch import get_gguf_spec, get_spec
 
 # RoPE variants whose inverse frequencies octavo computes (HF `rope_type` names).
@@ -493,22 +494,5 @@ def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-# generation_config.json key -> SamplingParams field (the set vLLM takes over).
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
 def _sampling_defaults(generation_config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(
-        sorted(
-            (field, generation_config[key])
-            for key, field in _GENERATION_DEFAULTS.items()
-            if generation_config.get(key) is not None
-        )
-    )
+    return tuple(sorted(sampling_defaults_from(generation_config).items()))

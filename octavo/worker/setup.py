@@ -10,13 +10,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from octavo.config import EngineArgs, EngineConfig, PlatformInfo
+from octavo.config import GENERATION_CONFIG_SOURCES, EngineArgs, EngineConfig, PlatformInfo
 from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.config import ModelConfig
-from octavo.model.loader import load_model, read_model_config, resolve_model_path
+from octavo.model.loader import (
+    load_model,
+    read_generation_defaults,
+    read_model_config,
+    resolve_model_path,
+    resolve_tokenizer_path,
+)
 from octavo.model.loader.safetensors import weight_files
 from octavo.model.parallel import TRIVIAL, TPGroup, incompatibility, rank_model_config
 from octavo.worker.device import TORCH_DTYPES, probe_platform
@@ -43,6 +50,10 @@ class EngineFacts:
     model_config: ModelConfig
     # Bytes of the model's weight files (what gpu_memory_utilization leaves the KV cache less).
     weight_bytes: int = 0
+    # The resolved --tokenizer ("": the model's own).
+    tokenizer_path: str = ""
+    # The sampling defaults of a --generation-config folder (None: the model's own, or none).
+    generation_defaults: dict[str, Any] | None = None
 
 
 def bound_matmul_shape_caches() -> None:
@@ -60,8 +71,20 @@ def probe(args: EngineArgs) -> EngineFacts:
     reason = incompatibility(model_config, args.tensor_parallel_size)
     if reason is not None:
         raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: {reason}.")
+    tokenizer_path = ""
+    if args.tokenizer is not None:
+        revision = args.tokenizer_revision or args.revision
+        tokenizer_path = resolve_tokenizer_path(args.tokenizer, revision, args.download_dir)
+    generation_defaults = None
+    if args.generation_config not in GENERATION_CONFIG_SOURCES:
+        generation_defaults = read_generation_defaults(args.generation_config, args.download_dir)
     return EngineFacts(
-        probe_platform(args.device), model_path, model_config, weight_file_bytes(model_path)
+        probe_platform(args.device),
+        model_path,
+        model_config,
+        weight_file_bytes(model_path),
+        tokenizer_path,
+        generation_defaults,
     )
 
 

@@ -1,8 +1,11 @@
 """The server settings of vLLM's flags, with their effect over HTTP: several API keys, several
-served model names, FastAPI's docs, the root path, CORS details, and the flags' parsing into
-ServerConfig."""
+served model names, FastAPI's docs, the root path, CORS details, default chat template
+kwargs, logprob tokens as token ids, the generation config's sampling defaults, and the flags'
+parsing into ServerConfig."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 
@@ -96,9 +99,16 @@ def test_server_flags_parse_into_the_server_config():
             *("--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--disable-fastapi-docs"),
             *("--response-role", "bot", "--enable-force-include-usage"),
             "--enable-request-id-headers",
+            *("--default-chat-template-kwargs", '{"enable_thinking": false}'),
+            "--return-tokens-as-token-ids",
         ]
     )
     config = server_config_from(ns)
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert config.return_tokens_as_token_ids
+    defaults = server_config_from(make_parser().parse_args(["serve"]))
+    assert defaults.default_chat_template_kwargs is None
+    assert not defaults.return_tokens_as_token_ids
     assert config.api_key == ("k1", "k2")
     assert (config.allowed_origins, config.allowed_methods) == (("*",), ("GET",))
     assert config.allowed_headers == ("X-A", "X-B") and config.allow_credentials
@@ -210,3 +220,126 @@ def test_response_role_forced_usage_and_request_id_headers():
     ):
         response = client.post("/v1/chat/completions", json={**chat, "stream": True})
         assert '"usage":{' not in response.text and "x-request-id" not in response.headers
+
+
+def _token_ids(text: str) -> list[int]:
+    from ..mock_engine import VOCAB
+
+    return [VOCAB.index(word) for word in text.split()]
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id():
+    """vLLM's `token_id:ID`: completions' tokens and top_logprobs keys, chat's token and
+    top_logprobs[].token, and `bytes` those of that name."""
+    named = re.compile(r"token_id:\d+")
+    with (
+        mock_server(ServerConfig(return_tokens_as_token_ids=True)) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        body = {"prompt": "a b", "max_tokens": 3, "logprobs": 2, "temperature": 0}
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        ids = _token_ids(choice["text"])
+        assert len(ids) == 3
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{i}" for i in ids]
+        for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+            assert token in top and all(named.fullmatch(key) for key in top)
+        # Offsets are still those of the text.
+        assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][1] > 0
+        streamed = client.post("/v1/completions", json={**body, "stream": True}).text
+        assert '"tokens":["token_id:' in streamed
+
+        chat = {
+            "messages": [{"role": "user", "content": "a b"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        choice = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        ids = _token_ids(choice["message"]["content"])
+        assert [entry["token"] for entry in content] == [f"token_id:{i}" for i in ids]
+        for entry in content:
+            assert entry["bytes"] == list(entry["token"].encode())
+            assert len(entry["top_logprobs"]) == 2
+            for top in entry["top_logprobs"]:
+                assert named.fullmatch(top["token"]) and top["bytes"] == list(top["token"].encode())
+    with (
+        mock_server() as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        # Without the flag, the tokens are the text's pieces (the mock's carry no spaces).
+        assert "".join(choice["logprobs"]["tokens"]) == "".join(choice["text"].split())
+
+
+def test_default_chat_template_kwargs_reach_the_template_under_the_requests_own():
+    template = "{{ greeting }} {% for m in messages %}{{ m['content'] }} {% endfor %}{{ tail }}"
+    config = ServerConfig(default_chat_template_kwargs={"greeting": "dog", "tail": "one"})
+    with (
+        mock_server(config) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        running.async_engine.engine.tokenizer.chat_template = template
+        messages = [{"role": "user", "content": "cat"}]
+        tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        assert tokens == _token_ids("dog cat one")
+        own = {"messages": messages, "chat_template_kwargs": {"greeting": "the"}}
+        tokens = client.post("/tokenize", json=own).json()["tokens"]
+        assert tokens == _token_ids("the cat one")  # the request's key wins, the rest stays
+        chat = {**own, "max_tokens": 1}
+        usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert usage["prompt_tokens"] == 3
+
+
+def test_generation_defaults_fill_the_fields_a_request_leaves_unset():
+    """The generation config's defaults (EngineConfig.sampling_defaults) apply where a request
+    sets nothing; its own fields win; the default max_tokens is cut to the prompt's room."""
+    chat = {"messages": [{"role": "user", "content": "a b"}], "seed": 7}
+    with (
+        mock_server(sampling_defaults={"temperature": 0.0, "max_tokens": 4}) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        greedy = client.post("/v1/chat/completions", json={**chat, "temperature": 0}).json()
+        assert greedy["usage"]["completion_tokens"] == 4
+        response = client.post("/v1/chat/completions", json=chat).json()
+        assert response["choices"][0]["message"] == greedy["choices"][0]["message"]
+        sampled = client.post("/v1/chat/completions", json={**chat, "temperature": 1.0}).json()
+        # Seed 7 draws other words than the greedy script (the mock's rule).
+        assert sampled["choices"][0]["message"] != greedy["choices"][0]["message"]
+        # Under `auto` the model's max_new_tokens is a default, not a cap.
+        longer = client.post("/v1/chat/completions", json={**chat, "max_tokens": 6}).json()
+        assert longer["usage"]["completion_tokens"] == 6
+        completion = {"prompt": "a b", "max_tokens": None}  # completions default to 16
+        usage = client.post("/v1/completions", json=completion).json()["usage"]
+        assert usage["completion_tokens"] == 4
+    with (
+        mock_server(sampling_defaults={"max_tokens": 1000}) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        # A default beyond what the prompt leaves of max_model_len (128) is cut, not refused.
+        response = client.post("/v1/chat/completions", json=chat)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 128
+
+
+def test_a_generation_config_max_new_tokens_override_caps_every_request():
+    """--override-generation-config's max_new_tokens (or a --generation-config folder's) caps
+    even a request's own max_tokens, as vLLM's override_max_tokens does."""
+    chat = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 6}
+    for settings in (
+        dict(override_generation_config={"max_new_tokens": 3}, sampling_defaults={"max_tokens": 3}),
+        dict(generation_config="/models/gen", sampling_defaults={"max_tokens": 3}),
+    ):
+        with (
+            mock_server(**settings) as running,
+            httpx.Client(base_url=running.base_url, timeout=30) as client,
+        ):
+            for body in (chat, {**chat, "max_tokens": 2}):
+                usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+                assert usage["completion_tokens"] == min(3, body["max_tokens"])
+            completion = {"prompt": "a b", "max_tokens": 10}
+            usage = client.post("/v1/completions", json=completion).json()["usage"]
+            assert usage["completion_tokens"] == 3

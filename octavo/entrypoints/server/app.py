@@ -96,6 +96,10 @@ class ServerConfig:
     response_role: str = "assistant"
     enable_force_include_usage: bool = False
     enable_request_id_headers: bool = False
+    # Keyword arguments every chat template rendering gets (a request's own win key by key),
+    # and whether logprobs name tokens `token_id:ID` rather than by their text (vLLM's flags).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False
     # Larger bodies get 413 before they are parsed.
     max_request_body_bytes: int = 16 << 20
     # On SIGTERM, how long in-flight responses may run before they are ended.
@@ -205,6 +209,10 @@ def build_app(
         max_logprobs=engine_config.max_logprobs,
         response_role=config.response_role,
         force_include_usage=config.enable_force_include_usage,
+        default_chat_template_kwargs=config.default_chat_template_kwargs,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        sampling_defaults=engine_config.sampling_defaults,
+        max_tokens_cap=engine_config.max_tokens_cap,
         max_model_len=engine_config.scheduler.max_model_len,
         vocab_size=engine.input_processor.vocab_size,
         max_request_body_bytes=config.max_request_body_bytes,
@@ -283,7 +291,9 @@ def build_app(
             if request.messages is not None:
                 # Rendered exactly as a chat completion renders the same fields, so `count`
                 # is that request's prompt_tokens.
-                render = chat_render_from(request, check_tools(request.tools))
+                render = chat_render_from(
+                    request, check_tools(request.tools), context.default_chat_template_kwargs
+                )
                 processed = render(processor)
             elif request.prompt is not None:
                 add_special = request.add_special_tokens is not False

@@ -60,14 +60,23 @@ class ChatRender:
             raise bad_request(message, param) from None
 
 
-def chat_render_from(request: Any, tools: list[dict[str, Any]] | None) -> ChatRender:
-    """The render of a chat completion or /tokenize body (they share these field names)."""
+def chat_render_from(
+    request: Any,
+    tools: list[dict[str, Any]] | None,
+    default_kwargs: Mapping[str, Any] | None = None,
+) -> ChatRender:
+    """The render of a chat completion or /tokenize body (they share these field names);
+    `default_kwargs` (--default-chat-template-kwargs) go to the template under the request's
+    own chat_template_kwargs, which win key by key."""
+    kwargs = request.chat_template_kwargs
+    if default_kwargs:
+        kwargs = {**default_kwargs, **(kwargs or {})}
     return ChatRender(
         check_messages(request.messages),
         tools=tools,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
-        chat_template_kwargs=request.chat_template_kwargs,
+        chat_template_kwargs=kwargs,
         # /tokenize leaves it unset; chat defaults to False (the template writes BOS).
         add_special_tokens=bool(request.add_special_tokens),
     )

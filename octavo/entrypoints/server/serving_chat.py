@@ -50,9 +50,10 @@ from octavo.entrypoints.server.serving_common import (
     check_model,
     check_num_sequences,
     clamp_logprob,
-    decoded,
     engine_error_body,
     engine_error_to_openai,
+    generation_max_tokens,
+    logprob_token,
     make_sampling_params,
     make_usage,
     new_request_id,
@@ -100,12 +101,15 @@ class OpenAIServingChat:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
-        render = chat_render_from(request, tool_setup.tools)
+        render = chat_render_from(request, tool_setup.tools, context.default_chat_template_kwargs)
         rename = {"logprobs": "top_logprobs", "prompt": "messages"}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens
             rename["max_tokens"] = "max_completion_tokens"
+        limit = generation_max_tokens(context, max_tokens)
+        if limit is not None:
+            max_tokens = None  # the limit decides, cut to the prompt's room by process_prompt
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = make_sampling_params(context, request, max_tokens, logprobs, rename)
         if tool_setup.structured_outputs is not None:
@@ -118,7 +122,9 @@ class OpenAIServingChat:
             params.structured_outputs = tool_setup.structured_outputs
             rename["structured_outputs"] = "tools"  # a tool schema the grammar cannot take
         processor = context.async_engine.engine.input_processor
-        processed = process_prompt(context, lambda: render(processor), params, rename)
+        processed, params = process_prompt(
+            context, lambda: render(processor), params, rename, limit
+        )
         request_id = new_request_id("chatcmpl")
         engine_request = EngineRequest(request_id, processed, params, arrival_time)
         return _Run(context, request, engine_request, tool_setup.make_parser)
@@ -161,7 +167,7 @@ class _Run:
         choice.stop_reason = completion.stop_reason
         if not self.request.logprobs:
             return None
-        entries = _chat_logprobs(completion, self.num_top_logprobs)
+        entries = _chat_logprobs(self.context, completion, self.num_top_logprobs)
         if choice.logprobs is None:
             choice.logprobs = []
         choice.logprobs.extend(entries)
@@ -315,15 +321,25 @@ def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
     ]
 
 
-def _chat_logprobs(completion: CompletionOutput, num_top: int) -> list[ChatTokenLogprob]:
+def _chat_logprobs(
+    context: ServingContext, completion: CompletionOutput, num_top: int
+) -> list[ChatTokenLogprob]:
+    """A delta's positions as chat logprobs; `bytes` are those of the token's name (its text,
+    or `token_id:ID`), as vLLM gives them."""
     entries = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
         sampled = position[token_id]
-        token = decoded(sampled.decoded_token)
+        token = logprob_token(context, token_id, sampled.decoded_token)
         top = sorted(
-            (lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
-            key=lambda lp: lp.rank,
-        )
+            (
+                (top_id, lp)
+                for top_id, lp in position.items()
+                if lp.rank is not None and lp.rank <= num_top
+            ),
+            # Tied logprobs share a rank: the sampled token first among its equals, and never
+            # more than top_logprobs entries (OpenAI's and vLLM's count).
+            key=lambda item: (item[1].rank, item[0] != token_id),
+        )[:num_top]
         entries.append(
             ChatTokenLogprob(
                 token=token,
@@ -331,11 +347,11 @@ def _chat_logprobs(completion: CompletionOutput, num_top: int) -> list[ChatToken
                 bytes=list(token.encode("utf-8")),
                 top_logprobs=[
                     TopLogprob(
-                        token=decoded(lp.decoded_token),
+                        token=(top_token := logprob_token(context, top_id, lp.decoded_token)),
                         logprob=clamp_logprob(lp.logprob),
-                        bytes=list(decoded(lp.decoded_token).encode("utf-8")),
+                        bytes=list(top_token.encode("utf-8")),
                     )
-                    for lp in top
+                    for top_id, lp in top
                 ],
             )
         )

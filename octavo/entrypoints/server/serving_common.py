@@ -15,9 +15,9 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -79,6 +79,15 @@ class ServingContext:
     # usage chunk, asked for or not (--enable-force-include-usage).
     response_role: str = "assistant"
     force_include_usage: bool = False
+    # Keyword arguments every chat template rendering gets under the request's own
+    # (--default-chat-template-kwargs); whether logprobs name tokens `token_id:ID`
+    # (--return-tokens-as-token-ids).
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    # What a request that leaves a sampling field unset gets (EngineConfig.sampling_defaults),
+    # and the max_tokens no request may exceed (EngineConfig.max_tokens_cap).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None
 
 
 def check_model(context: ServingContext, model: str | None) -> None:
@@ -120,6 +129,21 @@ def check_num_sequences(context: ServingContext, num_prompts: int, n: int) -> No
         )
 
 
+def generation_max_tokens(context: ServingContext, requested: int | None) -> int | None:
+    """What the generation config makes of a request's max_tokens (vLLM's get_max_tokens):
+    its default where the request sets none, the cap (--override-generation-config's
+    max_new_tokens, or a --generation-config folder's) over either. Returns that limit where
+    it decides, None where the request's own max_tokens (or none, the room the prompt leaves)
+    stands. The limit is cut to what each prompt leaves of max_model_len (process_prompt)."""
+    limits = [context.max_tokens_cap]
+    if requested is None:
+        limits.append(context.sampling_defaults.get("max_tokens"))
+    limit = min((value for value in limits if value is not None), default=None)
+    if limit is None or (requested is not None and requested <= limit):
+        return None
+    return limit
+
+
 def make_sampling_params(
     context: ServingContext,
     request: Any,
@@ -127,7 +151,10 @@ def make_sampling_params(
     logprobs: int | None,
     rename: dict[str, str],
 ) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; ValueError becomes a 400 naming the user's field."""
+    """OpenAI fields -> SamplingParams; ValueError becomes a 400 naming the user's field. A
+    field the request leaves unset takes the generation config's default
+    (context.sampling_defaults) where it has one, else SamplingParams' own; max_tokens is the
+    caller's (see generation_max_tokens)."""
     if request.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {request.n}.", "n")
     cap = context.max_logprobs
@@ -148,13 +175,16 @@ def make_sampling_params(
             logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids.", "logit_bias") from None
-    # Every SamplingParams field the request has under the same name; an unset (None) one keeps
-    # SamplingParams' default (vLLM's).
+    # Every SamplingParams field the request has under the same name; an unset (None) one takes
+    # the generation config's default, else keeps SamplingParams' own (vLLM's rule).
     fields: dict[str, Any] = {
-        name: value
+        name: value for name, value in context.sampling_defaults.items() if name != "max_tokens"
+    }
+    fields.update(
+        (name, value)
         for name in _copied_fields(type(request))
         if (value := getattr(request, name)) is not None
-    }
+    )
     fields.update(
         max_tokens=max_tokens,
         logprobs=logprobs,
@@ -233,16 +263,24 @@ def process_prompt(
     make: Callable[[], ProcessedPrompt],
     params: SamplingParams,
     rename: dict[str, str],
-) -> ProcessedPrompt:
+    max_tokens_limit: int | None = None,
+) -> tuple[ProcessedPrompt, SamplingParams]:
     """Tokenize (in the preparation thread that calls it) and check the prompt and its
-    max_tokens against max_model_len, so the engine never rejects what gets submitted."""
+    max_tokens against max_model_len, so the engine never rejects what gets submitted.
+    Returns the prompt and its parameters: `params`, or, with a `max_tokens_limit` (from
+    generation_max_tokens), a copy whose max_tokens is that limit cut to what the prompt
+    leaves of max_model_len (the server's choice, never refused as a request's own is)."""
     try:
         processed = make()
         processor = context.async_engine.engine.input_processor
-        processor.resolve_params(params, len(processed.prompt_token_ids))  # checks only
+        num_prompt_tokens = len(processed.prompt_token_ids)
+        if max_tokens_limit is not None:
+            room = context.max_model_len - num_prompt_tokens
+            params = dataclasses.replace(params, max_tokens=min(max_tokens_limit, room))
+        processor.resolve_params(params, num_prompt_tokens)  # checks only
     except ValueError as exc:
         raise from_value_error(exc, SAMPLING_FIELDS, rename) from None
-    return processed
+    return processed, params
 
 
 def engine_error_to_openai(exc: Exception) -> OpenAIError:
@@ -294,6 +332,15 @@ def clamp_logprob(value: float) -> float:
 
 def decoded(token: str | None) -> str:
     return token if token is not None else ""
+
+
+def logprob_token(context: ServingContext, token_id: int, decoded_token: str | None) -> str:
+    """How a logprobs entry names its token: its text, or `token_id:ID` (vLLM's spelling)
+    under --return-tokens-as-token-ids, for clients that need the exact ids (a token whose
+    bytes are not valid UTF-8 on their own has no faithful text)."""
+    if context.return_tokens_as_token_ids:
+        return f"token_id:{token_id}"
+    return decoded(decoded_token)
 
 
 @dataclass(slots=True)

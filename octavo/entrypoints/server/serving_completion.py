@@ -39,6 +39,8 @@ from octavo.entrypoints.server.serving_common import (
     decoded,
     engine_error_body,
     engine_error_to_openai,
+    generation_max_tokens,
+    logprob_token,
     make_sampling_params,
     make_usage,
     new_request_id,
@@ -78,20 +80,23 @@ class OpenAIServingCompletion:
         _check_unsupported(request)
         prompts = _prompt_list(request.prompt)
         check_num_sequences(context, len(prompts), request.n)
-        params = make_sampling_params(context, request, request.max_tokens, request.logprobs, {})
+        limit = generation_max_tokens(context, request.max_tokens)
+        max_tokens = request.max_tokens if limit is None else None
+        params = make_sampling_params(context, request, max_tokens, request.logprobs, {})
         processor = context.async_engine.engine.input_processor
         engine_requests: list[EngineRequest] = []
         request_id = new_request_id("cmpl")
         echoes: list[str] = []
         for index, prompt in enumerate(prompts):
-            processed = process_prompt(
+            processed, prompt_params = process_prompt(
                 context,
                 lambda p=prompt: processor.process_prompt(p, request.add_special_tokens),
                 params,
                 {},
+                limit,
             )
             engine_requests.append(
-                EngineRequest(f"{request_id}-{index}", processed, params, arrival_time)
+                EngineRequest(f"{request_id}-{index}", processed, prompt_params, arrival_time)
             )
             if request.echo:
                 echoes.append(
@@ -171,7 +176,9 @@ class _Run:
                 choice.offset = len(text) - len(completion.text)
         choice.num_tokens += len(completion.token_ids)
         if choice.logprobs is not None and completion.logprobs is not None:
-            choice.offset = _append_logprobs(choice.logprobs, completion, choice.offset)
+            choice.offset = _append_logprobs(
+                self.context, choice.logprobs, completion, choice.offset
+            )
         choice.finish_reason = completion.finish_reason
         choice.stop_reason = completion.stop_reason
         return text
@@ -254,18 +261,25 @@ class _Run:
 
 
 def _append_logprobs(
-    logprobs: CompletionLogprobs, completion: CompletionOutput, offset: int
+    context: ServingContext,
+    logprobs: CompletionLogprobs,
+    completion: CompletionOutput,
+    offset: int,
 ) -> int:
+    """Append a delta's positions to `logprobs`; returns the text offset after them (offsets
+    count the text's characters, whatever names the tokens)."""
     for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
         sampled = position[token_id]
-        token = decoded(sampled.decoded_token)
-        logprobs.tokens.append(token)
+        logprobs.tokens.append(logprob_token(context, token_id, sampled.decoded_token))
         logprobs.token_logprobs.append(clamp_logprob(sampled.logprob))
         logprobs.text_offset.append(offset)
-        offset += len(token)
-        ranked = sorted(position.values(), key=lambda lp: lp.rank or 0)
+        offset += len(decoded(sampled.decoded_token))
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
         logprobs.top_logprobs.append(
-            {decoded(lp.decoded_token): clamp_logprob(lp.logprob) for lp in ranked}
+            {
+                logprob_token(context, top_id, lp.decoded_token): clamp_logprob(lp.logprob)
+                for top_id, lp in ranked
+            }
         )
     return offset
 

@@ -8,16 +8,18 @@ one ModelLoadError with a message that names the path and the problem. File form
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from octavo.config import QUANTIZATIONS
+from octavo.config import QUANTIZATIONS, sampling_defaults_from
 from octavo.model.arch import get_spec, load_model_class
 from octavo.model.backends import ModelBackend
 from octavo.model.config import ModelConfig
@@ -30,7 +32,7 @@ from octavo.model.loader.gguf import (
     open_gguf_checkpoint,
     read_gguf_chat_template,
 )
-from octavo.model.loader.hub import looks_like_repo_id, snapshot_folder
+from octavo.model.loader.hub import TOKENIZER_PATTERNS, looks_like_repo_id, snapshot_folder
 from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import open_hf_checkpoint
 from octavo.model.parallel import TRIVIAL, TPGroup, shard_model
@@ -43,27 +45,73 @@ __all__ = [
     "build_model",
     "find_default_model",
     "load_model",
+    "read_generation_defaults",
     "read_gguf_chat_template",
     "read_model_config",
     "resolve_model_path",
+    "resolve_tokenizer_path",
 ]
+
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def resolve_model_path(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    allow_patterns: list[str] | None = None,
 ) -> str:
     """None means the embedded default; a folder holding exactly one .gguf (and no
     config.json) means that file; `org/name` that is no local path, a Hugging Face Hub
     repository's snapshot at `revision` (hub.py: from the cache in download_dir or
-    huggingface_hub's, or downloaded)."""
+    huggingface_hub's, or downloaded; only the files `allow_patterns` match, default those a
+    model needs)."""
     if model is not None and looks_like_repo_id(model):
-        return snapshot_folder(model, revision, download_dir)
+        return snapshot_folder(model, revision, download_dir, allow_patterns)
     path = find_default_model() if model is None else os.path.expanduser(model)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
             return os.path.join(path, ggufs[0])
     return path
+
+
+def resolve_tokenizer_path(
+    tokenizer: str, revision: str | None = None, download_dir: str | None = None
+) -> str:
+    """--tokenizer: a folder or .gguf file (a folder of one .gguf, that file), or a Hub id's
+    snapshot of its tokenizer files (no weights) at `revision`. Raises ModelLoadError for a
+    local path that does not exist."""
+    path = resolve_model_path(tokenizer, revision, download_dir, TOKENIZER_PATTERNS)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"Tokenizer path {tokenizer!r} does not exist.")
+    return path
+
+
+def read_generation_defaults(source: str, download_dir: str | None = None) -> dict[str, Any]:
+    """--generation-config FOLDER: the sampling defaults (SamplingParams names) of the
+    generation_config.json in that folder (or a Hub id's snapshot of it), or of that file
+    itself. A folder without one gives none, with a warning (vLLM then uses none either).
+    Raises ModelLoadError for a path that does not exist or a file that is not a JSON object."""
+    path = Path(resolve_model_path(source, None, download_dir, [GENERATION_CONFIG_FILE]))
+    if not path.exists():
+        raise ModelLoadError(f"generation_config {source!r} does not exist.")
+    if path.is_dir():
+        path = path / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            logger.warning(
+                "generation_config %r has no %s: no sampling defaults",
+                source,
+                GENERATION_CONFIG_FILE,
+            )
+            return {}
+    try:
+        generation_config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a readable JSON file ({exc}).") from None
+    if not isinstance(generation_config, dict):
+        raise ModelLoadError(f"{path}: not a JSON object.")
+    return sampling_defaults_from(generation_config)
 
 
 def read_model_config(path: str) -> ModelConfig:

@@ -14,6 +14,8 @@ from octavo.model.loader.errors import ModelLoadError
 # What a checkpoint folder needs (loader/safetensors.py, engine/tokenizer.py); no .bin, .pt,
 # .gguf or ONNX files.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+# What a tokenizer needs (--tokenizer): the same without the weights.
+TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -23,9 +25,15 @@ def looks_like_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and not os.path.exists(model)
 
 
-def snapshot_folder(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+def snapshot_folder(
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    allow_patterns: list[str] | None = None,
+) -> str:
     """The local folder of `repo_id` at `revision` (a branch, tag or commit; default: main),
-    from the cache or downloaded into it. Raises ModelLoadError saying what was tried."""
+    from the cache or downloaded into it, with the files `allow_patterns` match (default:
+    ALLOW_PATTERNS, what a model needs). Raises ModelLoadError saying what was tried."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -41,7 +49,7 @@ def snapshot_folder(repo_id: str, revision: str | None, download_dir: str | None
             repo_id,
             revision=revision,
             cache_dir=download_dir,
-            allow_patterns=ALLOW_PATTERNS,
+            allow_patterns=allow_patterns or ALLOW_PATTERNS,
             local_files_only=offline,
         )
     except LocalEntryNotFoundError:
