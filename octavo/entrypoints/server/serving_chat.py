@@ -49,6 +49,7 @@ from octavo.entrypoints.server.serving_common import (
     ServingContext,
     check_model,
     check_num_sequences,
+    check_priority,
     clamp_logprob,
     decoded,
     engine_error_body,
@@ -92,6 +93,7 @@ class OpenAIServingChat:
         context = self.context
         request = parse_body(body, ChatCompletionRequest)
         check_model(context, request.model)
+        check_priority(context, request.priority)
         check_num_sequences(context, 1, request.n)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
@@ -120,7 +122,9 @@ class OpenAIServingChat:
         processor = context.async_engine.engine.input_processor
         processed = process_prompt(context, lambda: render(processor), params, rename)
         request_id = new_request_id("chatcmpl")
-        engine_request = EngineRequest(request_id, processed, params, arrival_time)
+        engine_request = EngineRequest(
+            request_id, processed, params, arrival_time, request.priority
+        )
         return _Run(context, request, engine_request, tool_setup.make_parser)
 
 
