@@ -97,9 +97,12 @@ def test_server_flags_parse_into_the_server_config():
             *("--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--disable-fastapi-docs"),
             *("--response-role", "bot", "--enable-force-include-usage"),
             "--enable-request-id-headers",
+            *("--uds", "/run/octavo.sock"),
         ]
     )
     config = server_config_from(ns)
+    assert config.uds == "/run/octavo.sock"
+    assert server_config_from(make_parser().parse_args(["serve"])).uds is None
     assert config.api_key == ("k1", "k2")
     assert (config.allowed_origins, config.allowed_methods) == (("*",), ("GET",))
     assert config.allowed_headers == ("X-A", "X-B") and config.allow_credentials
