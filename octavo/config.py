@@ -40,6 +40,9 @@ QUANTIZATIONS = (
 )
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# --scheduling-policy (vLLM's): the waiting queue in arrival order, or by each request's
+# `priority` (lower first), then arrival (core/scheduler.py).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's cap on the logprobs a request may ask for per position.
 # vLLM's names for how the ranks of a tensor-parallel model run.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
@@ -130,13 +133,20 @@ class SchedulerConfig:
     # A prompt chunk runs at most this many tokens per step (0: up to the whole budget), so
     # one long prompt cannot stall every running stream for a whole big step (vLLM's name).
     long_prefill_token_threshold: int = 0
+    # SCHEDULING_POLICIES: fcfs, or priority (the waiting queue by (priority, arrival), the
+    # victim the running request with the largest).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         _check_scheduling(
-            self.admission, self.watermark, self.preempt_victim, self.long_prefill_token_threshold
+            self.admission,
+            self.watermark,
+            self.preempt_victim,
+            self.long_prefill_token_threshold,
+            self.scheduling_policy,
         )
 
 
@@ -432,6 +442,13 @@ class EngineArgs:
         "whom to evict when a block is missing (default: the policy's)",
         choices=lambda: list(_victim_rules()),
     )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "the waiting queue's order: fcfs (arrival) or priority (each request's `priority`, "
+        "lower first, then arrival; a running request that needs a block evicts the least "
+        "important, latest one)",
+        choices=SCHEDULING_POLICIES,
+    )
     request_log: str | None = setting(
         None,
         "append one JSON line per finished request (lengths, finish reason, TTFT, largest "
@@ -586,6 +603,7 @@ class EngineArgs:
             self.watermark,
             self.preempt_victim,
             self.long_prefill_token_threshold or 0,
+            self.scheduling_policy,
         )
 
     # ----------------------------------------------------------------------- command line
@@ -717,6 +735,7 @@ class EngineArgs:
                 admission=self.admission,
                 watermark=self.watermark,
                 preempt_victim=self.preempt_victim,
+                scheduling_policy=self.scheduling_policy,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,
@@ -964,6 +983,7 @@ def _check_scheduling(
     watermark: float,
     preempt_victim: str | None,
     long_prefill_token_threshold: int,
+    scheduling_policy: str = "fcfs",
 ) -> None:
     """The scheduler knobs EngineArgs and SchedulerConfig share, checked the same way."""
     if long_prefill_token_threshold < 0:
@@ -979,6 +999,18 @@ def _check_scheduling(
     if preempt_victim is not None and preempt_victim not in victims:
         raise ValueError(
             f"preempt_victim must be one of {', '.join(victims)}; got {preempt_victim!r}."
+        )
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(
+            f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got "
+            f"{scheduling_policy!r}."
+        )
+    if scheduling_policy == "priority" and preempt_victim is not None:
+        # Two rules for one choice: the priority policy's victim is the least important.
+        raise ValueError(
+            f"preempt_victim={preempt_victim!r} cannot be combined with "
+            "scheduling_policy='priority', which evicts the running request of the largest "
+            "(priority, arrival time)."
         )
 
 

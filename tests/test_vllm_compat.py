@@ -123,8 +123,6 @@ def test_parallel_sizes_of_one_pass_and_more_are_refused_naming_the_issue():
     with pytest.raises(VllmFlagRefused, match="--no-enable-chunked-prefill: not supported"):
         check_namespace(serve_parser().parse_args(["--no-enable-chunked-prefill"]))
     assert check_namespace(serve_parser().parse_args(["--enable-chunked-prefill"])) == []
-    with pytest.raises(VllmFlagRefused, match="--scheduling-policy priority"):
-        check_namespace(serve_parser().parse_args(["--scheduling-policy", "priority"]))
 
 
 def test_refused_flags_stop_the_server_with_one_message(capsys):

@@ -18,7 +18,10 @@ KV must be free for an answer nobody has written yet":
   evictions. Victim: the request with the least output (it loses the least work).
 
 Every policy also keeps `watermark` of the pool free at admission, and takes a victim rule
-that `--preempt-victim` may override.
+that `--preempt-victim` may override. Under `--scheduling-policy priority` every policy takes
+vLLM's priority rule instead (`priority_victim`: the least important, latest request), so the
+policies keep deciding how much must be free and the requests' priorities decide who is
+evicted; `--preempt-victim` is refused with it (config.py).
 
 Must not: import torch, measure time, or touch anything above `core`.
 """
@@ -53,6 +56,18 @@ VICTIM_RULES: dict[str, VictimRule] = {
     "newest": newest_victim,
     "least-output": least_output_victim,
 }
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """The order of the priority scheduling policy (vLLM's): lower priority values first,
+    then earlier arrivals."""
+    return request.priority, request.arrival_time
+
+
+def priority_victim(running: list[Request]) -> Request:
+    """vLLM's rule under the priority scheduling policy: the running request of the largest
+    (priority, arrival time), the least important and, among equals, the latest to arrive."""
+    return max(running, key=priority_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +321,12 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 
 
 def make_admission_policy(config: SchedulerConfig) -> AdmissionPolicy:
-    """The policy a SchedulerConfig names, with its watermark and victim override."""
+    """The policy a SchedulerConfig names, with its watermark and victim override (the
+    priority scheduling policy's rule, or `preempt_victim`; config.py allows one at most)."""
     overrides = {}
-    if config.preempt_victim is not None:
+    if config.scheduling_policy == "priority":
+        overrides["victim"] = priority_victim
+    elif config.preempt_victim is not None:
         overrides["victim"] = VICTIM_RULES[config.preempt_victim]
     if config.admission not in ADMISSION_POLICIES:
         raise ValueError(f"admission {config.admission!r} is not a known policy.")

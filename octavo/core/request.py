@@ -96,11 +96,13 @@ class Request:
         resolved: ResolvedParams,
         arrival_time: float | None = None,
         grammar: RequestGrammar | None = None,
+        priority: int = 0,
     ) -> None:
         """`resolved` is the engine's: the effective max_tokens (the caller has checked that
         prompt + max_tokens fits) and the stop token ids. `sampling_params` is the request's
         own copy, which nothing changes afterwards. `grammar` is set for a structured-output
-        request; it sees every output token exactly once."""
+        request; it sees every output token exactly once. `priority` is vLLM's: lower runs
+        earlier under the priority scheduling policy; fcfs ignores it."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -108,6 +110,7 @@ class Request:
         self.stop_token_ids = resolved.stop_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.grammar = grammar
+        self.priority = priority
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -5,17 +5,27 @@ It owns the waiting queue, the running list, every Request's state and the KV ca
 and it is the only code that mutates a Request. It must not import torch or anything above
 `core`: the runner learns what to do only from the SchedulerOutput, and the scheduler learns
 what happened only from the ModelRunnerOutput.
+
+The waiting queue is in arrival order under the `fcfs` scheduling policy (preempted requests
+go back to its front), or under `priority` (vLLM's) in (priority, arrival time) order for every
+request, preempted ones included; the admission policy is asked about its head either way.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.core.admission import AdmissionCandidate, AdmissionPolicy, make_admission_policy
+from octavo.core.admission import (
+    AdmissionCandidate,
+    AdmissionPolicy,
+    make_admission_policy,
+    priority_key,
+)
 from octavo.core.block_hash import extend_block_hashes
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -82,10 +92,13 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             group_windows=cache_config.group_windows,
         )
+        # Under the priority scheduling policy its victim rule is priority_victim
+        # (make_admission_policy); a policy passed in keeps its own.
         self.policy = policy if policy is not None else make_admission_policy(scheduler_config)
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         # Unfinished requests only; a request leaves when it finishes or is aborted.
         self.requests: dict[str, Request] = {}
-        # FCFS; preempted requests go back to the front.
+        # FCFS, preempted requests back at the front; or sorted by priority_key.
         self.waiting: deque[Request] = deque()
         # Admission order, oldest first.
         self.running: list[Request] = []
@@ -101,7 +114,15 @@ class Scheduler:
         if self.enable_caching:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_by_priority(self, request: Request) -> None:
+        # After every request of the same key: equal keys keep the order they came in. A
+        # deque's middle costs O(n / 64) to reach: cheap for queues of thousands.
+        bisect.insort_right(self.waiting, request, key=priority_key)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort requests in any state: FINISHED_ABORTED, blocks freed now, out of the queues.
@@ -137,9 +158,12 @@ class Scheduler:
         token; any other runs a prompt chunk (or a recomputation after preemption).
 
         1) RUNNING requests, oldest first. One that cannot get a block preempts the policy's
-           victim until it fits or is the victim itself.
-        2) WAITING requests, FCFS, unless step 1 preempted: prefix-cache hits first, then a
-           chunk that fits the budget. Stop at the first one that does not fit.
+           victim (under the priority policy: the least important, latest request) until it
+           fits or is the victim itself.
+        2) WAITING requests in queue order (FCFS or by priority), unless step 1 preempted:
+           prefix-cache hits first, then a chunk that fits the budget. Stop at the first one
+           that does not fit: a waiting request never preempts a running one, whatever their
+           priorities (vLLM's rule; once admitted, step 1 lets it evict less important ones).
         3) Build the output, then advance `num_computed_tokens` by what was scheduled, so
            the output carries the counts from before this step.
         """
@@ -203,8 +227,12 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        # Front of the queue: several victims in one step end up oldest first.
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            # At its place by (priority, arrival), as vLLM's priority queue puts it back.
+            self._insert_by_priority(victim)
+        else:
+            # Front of the queue: several victims in one step end up oldest first.
+            self.waiting.appendleft(victim)
         plan.preempted_req_ids.add(victim.request_id)
         logger.debug("preempted %s", victim.request_id)
 
@@ -459,5 +487,8 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert self.requests[request.request_id] is request
             assert request.num_computed_tokens == 0, request
+        if self.by_priority:
+            keys = [priority_key(request) for request in self.waiting]
+            assert keys == sorted(keys), keys
         if not self.running:
             assert kv.num_free_blocks == kv.num_blocks

@@ -67,6 +67,8 @@ class EngineRequest:
     prompt: ProcessedPrompt
     sampling_params: SamplingParams
     arrival_time: float
+    # vLLM's: lower runs earlier under the priority scheduling policy.
+    priority: int = 0
 
 
 class _OutputStream:
@@ -325,6 +327,7 @@ class AsyncEngine:
                     request.sampling_params,
                     OutputKind.DELTA,
                     request.arrival_time,
+                    request.priority,
                 )
                 added.append(request.request_id)
         except Exception as exc:

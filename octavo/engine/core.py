@@ -49,6 +49,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     resolved: ResolvedParams
     arrival_time: float
+    # vLLM's: lower runs earlier under the priority scheduling policy (the frontend has
+    # refused anything but 0 under fcfs).
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class EngineCore:
                 request.resolved,
                 request.arrival_time,
                 grammar,
+                request.priority,
             )
         )
         self.stats_tracker.add_request(

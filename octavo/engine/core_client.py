@@ -180,6 +180,7 @@ class MPEngine:
             info.eos_token_ids,
             structured,
             self.config.max_logprobs,
+            self.config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -468,6 +469,7 @@ class AsyncMPEngine(AsyncEngine):
                         request.sampling_params,
                         OutputKind.DELTA,
                         request.arrival_time,
+                        request.priority,
                     )
                 )
                 added.append(request.request_id)

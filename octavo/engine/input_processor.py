@@ -37,10 +37,14 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         structured_output: StructuredOutputManager | None = None,
         max_logprobs: int = -1,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """Without `structured_output`, requests with a constraint are refused. max_logprobs:
-        the most logprobs a request may ask for per position (-1: the vocabulary)."""
+        the most logprobs a request may ask for per position (-1: the vocabulary).
+        scheduling_policy: the scheduler's (config.SCHEDULING_POLICIES); only `priority`
+        takes requests with a priority other than 0."""
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.max_logprobs = vocab_size if max_logprobs < 0 else max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -168,6 +172,18 @@ class InputProcessor:
                 f"{self.max_model_len}: it leaves no room to generate."
             )
         return ProcessedPrompt(prompt, token_ids)
+
+    def check_priority(self, priority: int) -> None:
+        """A request's `priority` (vLLM's): an integer, and anything but 0 only under the
+        priority scheduling policy (vLLM refuses it alike rather than ignore it). Raises
+        ValueError naming priority."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but Priority scheduling is not enabled "
+                "(--scheduling-policy priority)."
+            )
 
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> ResolvedParams:
         """Check `params` against the model and the prompt's length, and resolve what the

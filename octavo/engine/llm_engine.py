@@ -60,6 +60,7 @@ class LLMEngine:
             eos_token_ids,
             self.core.structured_output,
             config.max_logprobs,
+            config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
@@ -118,9 +119,11 @@ class LLMEngine:
         sampling_params: SamplingParams,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Check and queue one request. Raises ValueError (naming the parameter) on bad input;
-        nothing is queued then."""
+        """Check and queue one request. `priority` is vLLM's (lower runs earlier; anything but
+        0 needs the priority scheduling policy). Raises ValueError (naming the parameter) on
+        bad input; nothing is queued then."""
         requests = fan_out(
             self.input_processor,
             self.output_processor,
@@ -129,6 +132,7 @@ class LLMEngine:
             sampling_params,
             output_kind,
             arrival_time,
+            priority,
         )
         # resolve_params compiled the grammar (if any): the core's add does not fail.
         for request in requests:
@@ -206,12 +210,14 @@ def fan_out(
     sampling_params: SamplingParams,
     output_kind: OutputKind,
     arrival_time: float | None,
+    priority: int = 0,
 ) -> list[EngineCoreRequest]:
     """Check one request, register it with `output_processor`, and return what the core runs
-    of it: itself, or its n children. Raises ValueError (naming the parameter) on bad input;
-    nothing is registered then."""
+    of it: itself, or its n children (each with its priority). Raises ValueError (naming the
+    parameter) on bad input; nothing is registered then."""
     if output_processor.has_request(request_id):
         raise ValueError(f"request_id {request_id!r} is already in use.")
+    input_processor.check_priority(priority)
     processed = (
         prompt if isinstance(prompt, ProcessedPrompt) else input_processor.process_prompt(prompt)
     )
@@ -229,7 +235,7 @@ def fan_out(
     )
     return [
         EngineCoreRequest(
-            child_id, processed.prompt_token_ids, child_params, resolved, arrival_time
+            child_id, processed.prompt_token_ids, child_params, resolved, arrival_time, priority
         )
         for child_id, child_params in children
     ]

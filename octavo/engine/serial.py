@@ -50,11 +50,12 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
         request.resolved.max_tokens,
         sorted(request.resolved.stop_token_ids),
         request.arrival_time,
+        request.priority,
     ]
 
 
 def decode_request(item: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, params, max_tokens, stop_token_ids, arrival_time = item
+    request_id, prompt_token_ids, params, max_tokens, stop_token_ids, arrival_time, priority = item
     structured = params.pop("structured_outputs")
     if structured is not None:
         params["structured_outputs"] = StructuredOutputsParams(**structured)
@@ -64,6 +65,7 @@ def decode_request(item: list[Any]) -> EngineCoreRequest:
         SamplingParams(**params),
         ResolvedParams(max_tokens, frozenset(stop_token_ids)),
         arrival_time,
+        priority,
     )
 
 

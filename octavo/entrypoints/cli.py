@@ -40,6 +40,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="serve on this Unix domain socket instead of --host and --port",
+    )
+    group.add_argument(
         "--api-key",
         default=None,
         nargs="+",
@@ -240,6 +246,7 @@ def server_config_from(ns: argparse.Namespace):
     return ServerConfig(
         host=ns.host,
         port=ns.port,
+        uds=ns.uds,
         api_key=tuple(ns.api_key) if ns.api_key else None,
         allowed_origins=_string_list(ns.allowed_origins),
         allowed_methods=_string_list(ns.allowed_methods, ("*",)),

@@ -66,10 +66,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. `prompts` may be a string, a
-        list of token ids, a list of either, or vLLM's {"prompt_token_ids": [...]} dicts."""
-        return self._run(self._as_prompt_list(prompts), sampling_params, use_tqdm)
+        list of token ids, a list of either, or vLLM's {"prompt_token_ids": [...]} dicts.
+        `priority` (vLLM's): one integer per prompt, lower runs earlier; anything but 0 needs
+        `scheduling_policy="priority"`."""
+        return self._run(self._as_prompt_list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -118,6 +121,7 @@ class LLM:
         prompts: list[PromptType | ProcessedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.llm_engine.default_sampling_params()
@@ -129,18 +133,23 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         engine = self.llm_engine
         processor = engine.input_processor
         # Check everything before queueing anything: one bad prompt rejects the whole call.
+        for value in priorities:
+            processor.check_priority(value)
         processed = [
             p if isinstance(p, ProcessedPrompt) else processor.process_prompt(p) for p in prompts
         ]
         for prompt, params in zip(processed, params_list):
             processor.resolve_params(params, len(prompt.prompt_token_ids))  # checks only
         request_ids = []
-        for prompt, params in zip(processed, params_list):
+        for prompt, params, value in zip(processed, params_list, priorities):
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY)
+            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY, priority=value)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 

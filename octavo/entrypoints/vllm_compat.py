@@ -6,7 +6,7 @@ own parser). Each is one of:
 
 - **octavo's**: octavo's parser has the flag, with vLLM's meaning (config.py, cli.py);
 - **accepted at some values**: the values that describe what octavo does anyway (a parallel
-  size of 1, the `fcfs` policy) are taken silently, any other is refused (below);
+  size of 1, chunked prefill on) are taken silently, any other is refused (below);
 - **no effect**: accepted, and one start-up log line says why it changes nothing here (a CUDA
   graph size on a CPU, a multimodal limit for a text-only model);
 - **refused**: start-up stops with a message naming the flag and the issue that will add it.
@@ -170,9 +170,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     # --- scheduler
     "enable_chunked_prefill": _only(
         _is_true, "chunked prefill is always on, as in vLLM's V1 engine; it cannot be turned off"
-    ),
-    "scheduling_policy": _only(
-        _is_in("fcfs"), "priority scheduling (the request's `priority` field): " + DROP_IN
     ),
     "max_num_scheduled_tokens": _refused(
         "octavo's token budget per step is --max-num-batched-tokens"
@@ -342,7 +339,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "dp_supervisor_probe_interval_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_timeout_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_failure_threshold": _no(ONE_PROCESS),
-    "uds": _refused("serving on a Unix domain socket: " + DROP_IN),
     "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
     "enable_ssl_refresh": _refused("reloading HTTPS certificates while serving: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),

@@ -19,6 +19,7 @@ from octavo.core.admission import (
     least_output_victim,
     make_admission_policy,
     newest_victim,
+    priority_victim,
 )
 from octavo.core.request import Request
 from octavo.core.scheduler import Scheduler
@@ -88,6 +89,25 @@ def test_make_admission_policy_from_config() -> None:
         make(watermark=1.0)
     with pytest.raises(ValueError, match="min_ratio"):
         RatioPolicy(init_ratio=0.05)
+
+
+def test_the_priority_policy_gives_every_admission_policy_its_victim_rule() -> None:
+    """Under --scheduling-policy priority each admission policy keeps its admission rule and
+    evicts by priority (vLLM's: the largest (priority, arrival time)); --preempt-victim would
+    be a second rule for the same choice and is refused."""
+    for admission in ("current", "reserve", "ratio"):
+        config = SchedulerConfig(4, 64, 64, admission=admission, scheduling_policy="priority")
+        policy = make_admission_policy(config)
+        assert policy.victim is priority_victim
+    early_low = make_request("early-low", [1], priority=2, arrival_time=0.0)
+    late_low = make_request("late-low", [1], priority=2, arrival_time=3.0)
+    high = make_request("high", [1], priority=-1, arrival_time=5.0)
+    assert priority_victim([early_low, high, late_low]) is late_low
+    assert priority_victim([high, early_low]) is early_low
+    with pytest.raises(ValueError, match="cannot be combined with scheduling_policy"):
+        SchedulerConfig(4, 64, 64, scheduling_policy="priority", preempt_victim="newest")
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        SchedulerConfig(4, 64, 64, scheduling_policy="lifo")
 
 
 # --- what is admitted -------------------------------------------------------------------------

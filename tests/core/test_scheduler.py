@@ -311,6 +311,89 @@ def test_a_request_that_is_the_newest_preempts_itself() -> None:
     assert_all_free(scheduler)
 
 
+# --- scheduling policy: fcfs | priority -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scheduling_policy,order",
+    [("fcfs", ["a", "b", "c", "d", "e"]), ("priority", ["b", "d", "e", "a", "c"])],
+)
+def test_waiting_order_by_scheduling_policy(scheduling_policy: str, order: list[str]) -> None:
+    """priority: lower values first, then earlier arrivals (e arrived first, though it was
+    added last); fcfs ignores priorities. One request runs at a time, so the admission order
+    is the queue's."""
+    scheduler = create_scheduler(max_num_seqs=1, scheduling_policy=scheduling_policy)
+    added = [("a", 1, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 3.0), ("e", 1, -1.0)]
+    for idx, (request_id, priority, arrival_time) in enumerate(added):
+        prompt = [100 * (idx + 1) + t for t in range(4)]
+        scheduler.add_request(
+            make_request(request_id, prompt, 1, priority=priority, arrival_time=arrival_time)
+        )
+    assert ids(scheduler.waiting) == order
+    scheduler.check_integrity()
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        out, _ = step(scheduler)
+        admitted += ids(out.scheduled_new_reqs)
+    assert admitted == order
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize(
+    "scheduling_policy,preempted,scheduled,waiting",
+    [
+        ("fcfs", "2", {"0": 1, "1": 1}, ["2", "d"]),
+        ("priority", "0", {"1": 1, "2": 1}, ["d", "0"]),
+    ],
+)
+def test_victim_under_memory_pressure_by_scheduling_policy(
+    scheduling_policy: str, preempted: str, scheduled: dict[str, int], waiting: list[str]
+) -> None:
+    """a (priority 2) runs first and grows to 5 blocks; b (0) and c (1) join with 3 + 2, and
+    the pool is full. Then b needs a block. fcfs evicts the newest (c). priority evicts the
+    least important, a, although it is the oldest and its decode was already scheduled in
+    this step (undone), and puts it back at its place by priority: behind d (priority 0)."""
+    scheduler = create_scheduler(scheduling_policy=scheduling_policy)
+    a, b, c = (
+        make_request(str(idx), [1000 * (idx + 1) + t for t in range(length)], priority=priority)
+        for idx, (length, priority) in enumerate([(16, 2), (12, 0), (8, 1)])
+    )
+    scheduler.add_request(a)
+    step(scheduler)
+    scheduler.add_request(b)
+    scheduler.add_request(c)
+    out, _ = step(scheduler)
+    assert ids(out.scheduled_new_reqs) == ["1", "2"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    scheduler.add_request(make_request("d", [1, 2, 3], priority=0, arrival_time=5.0))
+    out, _ = step(scheduler)
+    assert out.preempted_req_ids == {preempted} and out.num_scheduled_tokens == scheduled
+    assert out.scheduled_new_reqs == []  # a step that preempted admits nothing
+    assert ids(scheduler.waiting) == waiting
+    assert scheduler.requests[preempted].status == RequestStatus.PREEMPTED
+    scheduler.check_integrity()
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+def test_a_waiting_request_never_preempts_a_running_one(scheduling_policy: str) -> None:
+    """vLLM's rule under both policies: a waiting request that finds too few free blocks
+    waits, whatever its priority; only a running request that needs a block evicts. Here a
+    (priority 5) holds 9 of 10 blocks and takes the last one; b (priority -5) needs 2."""
+    scheduler = create_scheduler(scheduling_policy=scheduling_policy)
+    a = make_request("a", list(range(36)), max_tokens=2, priority=5)
+    scheduler.add_request(a)
+    step(scheduler)
+    b = make_request("b", list(range(50, 58)), priority=-5, arrival_time=1.0)
+    scheduler.add_request(b)
+    out, _ = step(scheduler)
+    assert out.preempted_req_ids == set() and out.num_scheduled_tokens == {"a": 1}
+    assert ids(scheduler.waiting) == ["b"] and a.is_finished
+    out, _ = step(scheduler)
+    assert ids(out.scheduled_new_reqs) == ["b"]
+    assert_all_free(scheduler)
+
+
 def test_no_admission_in_a_step_that_preempted() -> None:
     """A victim that would fit again at once (its hits are on blocks another request holds)
     still waits a step: the runner must not be told to drop and re-add it in one output."""

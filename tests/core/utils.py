@@ -23,6 +23,7 @@ def create_scheduler(
     enable_prefix_caching: bool = True,
     policy: AdmissionPolicy | None = None,
     long_prefill_token_threshold: int = 0,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -30,6 +31,7 @@ def create_scheduler(
             max_num_batched_tokens,
             max_model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            scheduling_policy=scheduling_policy,
         ),
         CacheConfig(block_size, num_blocks, enable_prefix_caching),
         policy,
@@ -47,6 +49,8 @@ def make_request(
     max_tokens: int = 16,
     eos_token_id: int | None = EOS_TOKEN_ID,
     block_size: int | None = None,
+    priority: int = 0,
+    arrival_time: float = 0.0,
     **params: object,
 ) -> Request:
     """A request as the engine would hand it over: EOS already among the stop ids.
@@ -59,7 +63,14 @@ def make_request(
     if eos_token_id is not None:
         stop_ids.add(eos_token_id)
     resolved = ResolvedParams(max_tokens, frozenset(stop_ids))
-    request = Request(request_id, prompt_token_ids, sampling_params, resolved, arrival_time=0.0)
+    request = Request(
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        resolved,
+        arrival_time=arrival_time,
+        priority=priority,
+    )
     if block_size is not None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, block_size)
     return request

@@ -204,3 +204,34 @@ def test_chat_renders_the_template_and_logprobs_come_per_token() -> None:
     for token_id, position in zip(completion.token_ids, completion.logprobs):
         assert position[token_id].rank == 1 and len(position) in (2, 3)
     assert_no_leak(llm)
+
+
+def test_generate_takes_a_priority_per_prompt() -> None:
+    """vLLM's `LLM.generate(prompts, params, priority=[...])`: under the priority scheduling
+    policy lower values are admitted first (one request runs at a time here); under fcfs any
+    value but 0 is refused before anything is queued, as is a list of the wrong length."""
+    llm = mock_llm(max_num_seqs=1, scheduling_policy="priority")
+    runner = llm.llm_engine.model_runner
+    admitted: list[str] = []
+    execute = runner.execute
+
+    def recording_execute(scheduler_output):
+        admitted.extend(new_req.request_id for new_req in scheduler_output.scheduled_new_reqs)
+        return execute(scheduler_output)
+
+    runner.execute = recording_execute
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompts = ["the cat", "a dog", "one two"]
+    outputs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 0, 1])
+    assert admitted == ["1", "2", "0"]
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [2, 2, 2]
+    with pytest.raises(ValueError, match="priority has 2 entries for 3 prompts"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])
+
+    fcfs = mock_llm()
+    with pytest.raises(ValueError, match="Got priority 1 but Priority scheduling is not enabled"):
+        fcfs.generate(prompts, params, use_tqdm=False, priority=[0, 1, 0])
+    assert not fcfs.llm_engine.has_unfinished_requests()
+    assert len(fcfs.generate(prompts, params, use_tqdm=False, priority=[0, 0, 0])) == 3
+    for engine in (llm.llm_engine, fcfs.llm_engine):
+        engine.check_integrity()

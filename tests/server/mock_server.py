@@ -47,11 +47,13 @@ def mock_server(
     config: ServerConfig | None = None,
     slow: bool = False,
     served_model_names: tuple[str, ...] = (),
+    scheduler: dict[str, object] | None = None,
     **engine_config: object,
 ) -> Iterator[MockServer]:
     """A running server over a fresh mock engine (max_model_len 128; named "mock", or each of
-    `served_model_names`; other EngineConfig fields from `engine_config`); stopped on exit."""
-    llm = mock_llm(max_model_len=128)
+    `served_model_names`; SchedulerConfig fields from `scheduler`, other EngineConfig fields
+    from `engine_config`); stopped on exit."""
+    llm = mock_llm(max_model_len=128, **(scheduler or {}))
     engine = llm.llm_engine
     if served_model_names:
         engine_config.update(

@@ -34,7 +34,9 @@ class FakeEngine:
         self.fail_steps = 0
         self.callers: set[str] = set()
 
-    def add_request(self, request_id, prompt, params, output_kind, arrival_time) -> None:
+    def add_request(
+        self, request_id, prompt, params, output_kind, arrival_time, priority=0
+    ) -> None:
         self.callers.add(threading.current_thread().name)
         if prompt.prompt_token_ids == REJECTED_PROMPT:
             raise ValueError("prompt token id 666 is out of range for vocab_size 10.")

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 
 import httpx
 import pytest
@@ -34,6 +36,33 @@ def test_serve_finishes_streams_on_sigterm_and_exits_zero() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_on_a_unix_domain_socket(tmp_path) -> None:
+    """--uds PATH (vLLM's): the server listens on that socket file instead of the port. A
+    request over it runs in the engine-core process, here with its `priority` under
+    --scheduling-policy priority (carried across the process boundary)."""
+    path = str(tmp_path / "octavo.sock")
+    assert len(path) < 100  # AF_UNIX paths are short
+    port = free_port()
+    process = start_serve(port, "--scheduling-policy", "priority", uds=path)
+    try:
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=path),
+            base_url="http://localhost",
+            headers={"Authorization": "Bearer k"},
+            timeout=60,
+        ) as client:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+            response = client.post("/v1/completions", json={**body, "priority": -2})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def test_bench_serve_reports_and_ends_with_a_json_line(server, capsys) -> None:

@@ -43,6 +43,7 @@ def test_requests_outputs_and_stats_cross_the_boundary_unchanged() -> None:
         ),
         ResolvedParams(40, frozenset({2, 9})),
         123.25,
+        priority=-3,
     )
     (item,) = _through([serial.encode_request(request)])
     assert serial.decode_request(item) == request

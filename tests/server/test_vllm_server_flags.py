@@ -1,7 +1,7 @@
 """The server settings of vLLM's flags, with their effect over HTTP: several API keys, several
 served model names, FastAPI's docs, the root path, CORS details, default chat template
-kwargs, logprob tokens as token ids, the generation config's sampling defaults, and the flags'
-parsing into ServerConfig."""
+kwargs, logprob tokens as token ids, the generation config's sampling defaults, the request's
+`priority` under each scheduling policy, and the flags' parsing into ServerConfig."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from octavo.entrypoints.cli import make_parser, server_config_from
 from octavo.entrypoints.server.app import ServerConfig
 
 from .mock_server import mock_server
+from .utils import assert_error
 
 
 def test_any_of_several_api_keys_is_accepted():
@@ -101,6 +102,7 @@ def test_server_flags_parse_into_the_server_config():
             "--enable-request-id-headers",
             *("--default-chat-template-kwargs", '{"enable_thinking": false}'),
             "--return-tokens-as-token-ids",
+            *("--uds", "/run/octavo.sock"),
         ]
     )
     config = server_config_from(ns)
@@ -109,6 +111,7 @@ def test_server_flags_parse_into_the_server_config():
     defaults = server_config_from(make_parser().parse_args(["serve"]))
     assert defaults.default_chat_template_kwargs is None
     assert not defaults.return_tokens_as_token_ids
+    assert config.uds == "/run/octavo.sock" and defaults.uds is None
     assert config.api_key == ("k1", "k2")
     assert (config.allowed_origins, config.allowed_methods) == (("*",), ("GET",))
     assert config.allowed_headers == ("X-A", "X-B") and config.allow_credentials
@@ -121,6 +124,30 @@ def test_server_flags_parse_into_the_server_config():
         2,
         True,
     )
+
+
+def test_priority_is_taken_under_the_priority_policy_and_refused_under_fcfs():
+    """vLLM's `priority` extra on both endpoints: 0 always passes; any other value runs under
+    --scheduling-policy priority and is a 400 naming `priority` under fcfs (vLLM's answer, not
+    a silent fcfs)."""
+    bodies = {
+        "/v1/completions": {"prompt": "a b", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2},
+    }
+    for policy in ("fcfs", "priority"):
+        with (
+            mock_server(scheduler={"scheduling_policy": policy}) as running,
+            httpx.Client(base_url=running.base_url, timeout=30) as client,
+        ):
+            for path, body in bodies.items():
+                assert client.post(path, json={**body, "priority": 0}).status_code == 200
+                response = client.post(path, json={**body, "priority": 3})
+                if policy == "priority":
+                    assert response.status_code == 200, response.text
+                else:
+                    assert_error(response, "priority", "Priority scheduling is not enabled")
+                response = client.post(path, json={**body, "priority": "high"})
+                assert_error(response, "priority", "integer")
 
 
 def test_the_chat_role_chunk_goes_out_with_the_first_token(monkeypatch):

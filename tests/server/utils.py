@@ -21,9 +21,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_serve(port: int, *extra: str) -> subprocess.Popen:
+def start_serve(port: int, *extra: str, uds: str | None = None) -> subprocess.Popen:
     """`octavo serve` over the embedded model (float32, a small pool, API key "k", served as
-    "tiny") in a subprocess, returned once /health answers 200; `extra` are more flags."""
+    "tiny") in a subprocess, returned once /health answers 200; `extra` are more flags. With
+    `uds` it serves on that Unix domain socket (--uds) instead of the port."""
     command = [
         sys.executable,
         "-m",
@@ -43,25 +44,29 @@ def start_serve(port: int, *extra: str) -> subprocess.Popen:
         "512",
         "--kv-cache-tokens",
         "2048",
+        *(["--uds", uds] if uds is not None else []),
         *extra,
     ]
-    return start_server_process(command, port)
+    return start_server_process(command, port, uds)
 
 
-def start_server_process(command: list[str], port: int) -> subprocess.Popen:
-    """Run `command` (a server on 127.0.0.1:`port`) and return it once /health answers 200;
-    fails with the end of its stderr if it exits first."""
+def start_server_process(command: list[str], port: int, uds: str | None = None) -> subprocess.Popen:
+    """Run `command` (a server on 127.0.0.1:`port`, or on the Unix domain socket `uds`) and
+    return it once /health answers 200; fails with the end of its stderr if it exits first."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(process.stderr.read().decode()[-2000:])
-        assert time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.25)
+    transport = httpx.HTTPTransport(uds=uds) if uds is not None else None
+    url = "http://localhost/health" if uds is not None else f"http://127.0.0.1:{port}/health"
+    with httpx.Client(transport=transport, timeout=1) as client:
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(process.stderr.read().decode()[-2000:])
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if client.get(url).status_code == 200:
+                    return process
+            except httpx.HTTPError:
+                time.sleep(0.25)
 
 
 def stream_events(base_url: str, body: dict, after_two: Callable[[], object]) -> list[str]:

@@ -72,6 +72,8 @@ UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # A Unix domain socket to serve on instead of host and port (vLLM's --uds).
+    uds: str | None = None
     # Every path but /health needs `Authorization: Bearer KEY` with one of these (vLLM's
     # --api-key, which may be given several keys); a single string is one key.
     api_key: str | tuple[str, ...] | None = None

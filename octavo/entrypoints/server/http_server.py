@@ -112,6 +112,8 @@ def make_server(
             app,
             host=config.host,
             port=config.port,
+            # uvicorn binds the socket file instead of host and port when it is set.
+            uds=config.uds,
             log_level=config.uvicorn_log_level or log_level,
             access_log=not config.disable_uvicorn_access_log,
             ssl_keyfile=config.ssl_keyfile,

@@ -50,6 +50,9 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
+    # Lower runs earlier; anything but 0 needs `--scheduling-policy priority` (checked by the
+    # handler, 400 naming it).
+    priority: int = 0
 
 
 class StructuredOutputsRequest(_Request):

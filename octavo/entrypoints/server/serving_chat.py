@@ -49,6 +49,7 @@ from octavo.entrypoints.server.serving_common import (
     ServingContext,
     check_model,
     check_num_sequences,
+    check_priority,
     clamp_logprob,
     engine_error_body,
     engine_error_to_openai,
@@ -93,6 +94,7 @@ class OpenAIServingChat:
         context = self.context
         request = parse_body(body, ChatCompletionRequest)
         check_model(context, request.model)
+        check_priority(context, request.priority)
         check_num_sequences(context, 1, request.n)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
@@ -126,7 +128,9 @@ class OpenAIServingChat:
             context, lambda: render(processor), params, rename, limit
         )
         request_id = new_request_id("chatcmpl")
-        engine_request = EngineRequest(request_id, processed, params, arrival_time)
+        engine_request = EngineRequest(
+            request_id, processed, params, arrival_time, request.priority
+        )
         return _Run(context, request, engine_request, tool_setup.make_parser)
 
 

@@ -118,6 +118,15 @@ async def respond(
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+def check_priority(context: ServingContext, priority: int) -> None:
+    """vLLM's `priority` extra: 400 naming it unless the server schedules by priority (or it
+    is 0)."""
+    try:
+        context.async_engine.engine.input_processor.check_priority(priority)
+    except ValueError as exc:
+        raise bad_request(str(exc), "priority") from None
+
+
 def check_num_sequences(context: ServingContext, num_prompts: int, n: int) -> None:
     """400 when one request asks for more output streams (prompts x n) than the limit."""
     if num_prompts * n > context.max_sequences:

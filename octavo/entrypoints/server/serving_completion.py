@@ -35,6 +35,7 @@ from octavo.entrypoints.server.serving_common import (
     ServingContext,
     check_model,
     check_num_sequences,
+    check_priority,
     clamp_logprob,
     decoded,
     engine_error_body,
@@ -77,6 +78,7 @@ class OpenAIServingCompletion:
         context = self.context
         request = parse_body(body, CompletionRequest)
         check_model(context, request.model)
+        check_priority(context, request.priority)
         _check_unsupported(request)
         prompts = _prompt_list(request.prompt)
         check_num_sequences(context, len(prompts), request.n)
@@ -96,7 +98,13 @@ class OpenAIServingCompletion:
                 limit,
             )
             engine_requests.append(
-                EngineRequest(f"{request_id}-{index}", processed, prompt_params, arrival_time)
+                EngineRequest(
+                    f"{request_id}-{index}",
+                    processed,
+                    prompt_params,
+                    arrival_time,
+                    request.priority,
+                )
             )
             if request.echo:
                 echoes.append(
