@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "f32": 4, "bf16": 2, "f16": 2}
 ENGINES = {"octavo": "octavo", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 BEGIN = "<!-- compare.sh: begin (written by benchmarks/compare.sh; edits here are replaced) -->"
@@ -304,6 +306,7 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
         "",
     ]
     lines += _memory_lines(runs, engines)
+    lines += _prefix_lines(runs)
     lines += _machine_lines(runs, engines)
     return "\n".join(lines) + "\n"
 
@@ -326,6 +329,70 @@ def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: li
             f"{last.get('kv_tokens', '-')} | {_fmt(at_a.get('RSS MiB'))} | "
             f"{_fmt(at_a.get('PSS MiB'))} |"
         )
+    return lines
+
+
+def prefix_hits_by_engine(before: str, after: str) -> dict[str, list[float]]:
+    """Prefix-cache hits and queries (tokens) per `engine` label between two scrapes of a
+    server's /metrics (vLLM's and octavo's vllm:prefix_cache_* counters): {engine: [hits,
+    queries]}. Empty where the server exports neither."""
+
+    def totals(text: str) -> dict[str, list[float]]:
+        found: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                index = {
+                    "vllm:prefix_cache_hits_total": 0,
+                    "vllm:prefix_cache_queries_total": 1,
+                }.get(sample.name)
+                if index is not None:
+                    engine = sample.labels.get("engine", "0")
+                    found.setdefault(engine, [0.0, 0.0])[index] += sample.value
+        return found
+
+    start, end = totals(before), totals(after)
+    return {
+        engine: [
+            hits - start.get(engine, [0.0, 0.0])[0],
+            queries - start.get(engine, [0.0, 0.0])[1],
+        ]
+        for engine, (hits, queries) in sorted(end.items())
+    }
+
+
+def cmd_prefix_hits(ns: argparse.Namespace) -> int:
+    hits = prefix_hits_by_engine(Path(ns.before).read_text(), Path(ns.after).read_text())
+    print(json.dumps({"prefix_hits_by_engine": hits} if hits else {}))
+    return 0
+
+
+def _prefix_lines(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list:
+    """Per run of a server with several engines (data parallelism): each replica's
+    prefix-cache hit rate over the measured requests."""
+    cells = [
+        (w, run["round"], e, run["prefix_hits_by_engine"])
+        for (w, e), rs in runs.items()
+        for run in rs
+        if len(run.get("prefix_hits_by_engine") or {}) > 1
+    ]
+    if not cells:
+        return []
+    lines = [
+        "",
+        "Prefix-cache hits per replica (engine label), over the measured requests: cached",
+        "prompt tokens / prompt tokens looked up, and the rate.",
+        "",
+        "| run | engine | replicas: hits / queries (rate) |",
+        "|---|---|---|",
+    ]
+    for workload, round_, engine, by_engine in sorted(cells, key=lambda c: c[:3]):
+        parts = [
+            f"{name}: {hits:.0f} / {queries:.0f} ({hits / queries:.0%})"
+            if queries
+            else f"{name}: 0 / 0"
+            for name, (hits, queries) in by_engine.items()
+        ]
+        lines.append(f"| {workload} r{round_} | {ENGINES[engine]} | " + "; ".join(parts) + " |")
     return lines
 
 
@@ -419,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     watch.add_argument("pid", type=int)
     watch.add_argument("out")
     watch.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
+    prefix = commands.add_parser(
+        "prefix-hits", help="prefix-cache hits per engine between two /metrics scrapes"
+    )
+    prefix.add_argument("before")
+    prefix.add_argument("after")
     table = commands.add_parser("table", help="markdown table of medians and ratios")
     table.add_argument("results")
     table.add_argument("--write", default=None, metavar="BENCHMARKS.md")
@@ -428,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "server-info": cmd_server_info,
         "rss": cmd_rss,
         "watch": cmd_watch,
+        "prefix-hits": cmd_prefix_hits,
         "table": cmd_table,
     }
     return handlers[ns.command](ns)

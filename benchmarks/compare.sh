@@ -363,6 +363,9 @@ run_one() {  # workload engine round
     # itself in the background, not the helper function's subshell, so that kill stops it).
     "$OCTAVO_PY" "$REPO/benchmarks/compare.py" watch "$SERVER_PID" "$RESULTS/$name.watch.jsonl" &
     local watcher=$!
+    # The prefix cache's counters before and after the measured requests (octavo and vLLM
+    # export them per engine: each data-parallel replica's hit rate).
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$RESULTS/$name.metrics0.txt" 2>/dev/null || true
     # shellcheck disable=SC2046
     bench $(workload_args "$workload") --seed "$SEED" --percentile-metrics ttft,tpot,itl,e2el \
         --metric-percentiles 50,99 --save-result --save-detailed --result-dir "$RESULTS" \
@@ -370,8 +373,13 @@ run_one() {  # workload engine round
         || log "$name: the client failed (see $name.client.log)"
     kill "$watcher" 2>/dev/null || true
     wait "$watcher" 2>/dev/null || true
-    local memory='{}' props=()
+    local memory='{}' props=() prefix='{}'
     [ "$workload" != A ] || memory=$(helper rss "$SERVER_PID")
+    if [ -s "$RESULTS/$name.metrics0.txt" ] \
+        && curl -sf "http://127.0.0.1:$PORT/metrics" > "$RESULTS/$name.metrics1.txt"; then
+        prefix=$(helper prefix-hits "$RESULTS/$name.metrics0.txt" "$RESULTS/$name.metrics1.txt")
+    fi
+    rm -f "$RESULTS/$name.metrics0.txt" "$RESULTS/$name.metrics1.txt"
     if [ "$engine" = llamacpp ] \
         && curl -sf "http://127.0.0.1:$PORT/props" > "$RESULTS/$name.props.json"; then
         props=(--props "$RESULTS/$name.props.json")
@@ -379,9 +387,10 @@ run_one() {  # workload engine round
     stop_server
     local info
     info=$(helper server-info "$engine" "$RESULTS/$name.server.log" "${props[@]}")
-    "$OCTAVO_PY" - "$RESULTS/$name.meta.json" "$info" "$memory" "$KV_TOKENS" <<'EOF'
+    "$OCTAVO_PY" - "$RESULTS/$name.meta.json" "$info" "$memory" "$KV_TOKENS" "$prefix" <<'EOF'
 import json, sys
 meta = {**json.loads(sys.argv[2]), **json.loads(sys.argv[3]), "kv_tokens_asked": int(sys.argv[4])}
+meta.update(json.loads(sys.argv[5]))
 open(sys.argv[1], "w").write(json.dumps(meta) + "\n")
 EOF
     local summary

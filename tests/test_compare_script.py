@@ -200,3 +200,38 @@ def test_table_lists_the_machine_during_each_run(compare, tmp_path) -> None:
     table = compare.render_table(compare.load_runs(tmp_path), "")
     assert "| C r1 | 15.0% (15%), 12 | - |" in table
     assert "C r2" not in table  # no watch file: no row
+
+
+def test_prefix_hits_per_replica_between_two_scrapes_and_in_the_table(compare, tmp_path) -> None:
+    def scrape(hits: dict[str, float], queries: dict[str, float]) -> str:
+        lines = [
+            "# TYPE vllm:prefix_cache_hits counter",
+            "# TYPE vllm:prefix_cache_queries counter",
+        ]
+        for engine in hits:
+            labels = f'{{engine="{engine}",model_name="m"}}'
+            lines.append(f"vllm:prefix_cache_hits_total{labels} {hits[engine]}")
+            lines.append(f"vllm:prefix_cache_queries_total{labels} {queries[engine]}")
+        return "\n".join(lines) + "\n"
+
+    before = scrape({"0": 10.0, "1": 0.0}, {"0": 100.0, "1": 64.0})
+    after = scrape({"0": 310.0, "1": 256.0}, {"0": 1100.0, "1": 576.0})
+    by_engine = compare.prefix_hits_by_engine(before, after)
+    assert by_engine == {"0": [300.0, 1000.0], "1": [256.0, 512.0]}
+    assert compare.prefix_hits_by_engine("", "") == {}  # a server without the counters
+    meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "float32"}
+    _write_run(
+        tmp_path,
+        "D-octavo-r1",
+        _result(100.0, 500.0, [[0.01]]),
+        {**meta, "prefix_hits_by_engine": by_engine},
+    )
+    _write_run(  # one engine: no replicas to tell apart, no row
+        tmp_path,
+        "D-vllm-r1",
+        _result(100.0, 500.0, [[0.01]]),
+        {**meta, "prefix_hits_by_engine": {"0": [5.0, 10.0]}},
+    )
+    table = compare.render_table(compare.load_runs(tmp_path), "")
+    assert "| D r1 | octavo | 0: 300 / 1000 (30%); 1: 256 / 512 (50%) |" in table
+    assert "| D r1 | vLLM |" not in table
