@@ -153,16 +153,9 @@ class MultiprocExecutor(_Executor):
             # Each worker reports once it runs, then joins the group: a worker that cannot
             # start fails here instead of leaving the rendezvous to wait out its timeout.
             self._wait_for("started")
-            _pin(shares[0], threads)
-            dist.init_process_group(
-                _backend_for(config.device),
-                init_method=init_method,
-                rank=0,
-                world_size=size,
-                timeout=COLLECTIVE_TIMEOUT,
+            self.tp, self.runner, self.backend = join_group(
+                config, 0, init_method, shares[0], threads
             )
-            self.tp = TPGroup(0, size, dist.group.WORLD)
-            self.runner, self.backend = build_rank_runner(config, self.tp)
             self._wait_for("ready")
         except BaseException:
             self.shutdown()
@@ -258,16 +251,9 @@ class RayExecutor(_Executor):
                 actor.join.remote(config, rank, init_method, node, shares[rank], threads)
                 for rank, actor in enumerate(self._actors, start=1)
             ]
-            _pin(shares[0], threads)
-            dist.init_process_group(
-                _backend_for(config.device),
-                init_method=init_method,
-                rank=0,
-                world_size=size,
-                timeout=COLLECTIVE_TIMEOUT,
+            self.tp, self.runner, self.backend = join_group(
+                config, 0, init_method, shares[0], threads
             )
-            self.tp = TPGroup(0, size, dist.group.WORLD)
-            self.runner, self.backend = build_rank_runner(config, self.tp)
             nodes = ray.get(joined, timeout=READY_TIMEOUT_S)
             self._loops = [actor.serve.remote() for actor in self._actors]
         except BaseException:
@@ -337,15 +323,8 @@ class RayRankWorker:
 
         node = get_node_ip_address()
         # The CPU share applies on the driver's machine; elsewhere the actor's threads.
-        _pin(cpus if node == driver_node else None, threads)
-        dist.init_process_group(
-            _backend_for(config.device),
-            init_method=init_method,
-            rank=rank,
-            world_size=config.tensor_parallel_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-        self.runner, _ = build_rank_runner(config, TPGroup(rank, config.tensor_parallel_size))
+        cpus = cpus if node == driver_node else None
+        _, self.runner, _ = join_group(config, rank, init_method, cpus, threads)
         return node
 
     def serve(self) -> None:
@@ -431,15 +410,7 @@ def run_worker(
     )
     conn.send(("started", None))
     try:
-        _pin(cpus, threads)
-        dist.init_process_group(
-            _backend_for(config.device),
-            init_method=init_method,
-            rank=rank,
-            world_size=config.tensor_parallel_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-        runner, _ = build_rank_runner(config, TPGroup(rank, config.tensor_parallel_size))
+        _, runner, _ = join_group(config, rank, init_method, cpus, threads)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         os._exit(1)
@@ -452,6 +423,24 @@ def run_worker(
         os._exit(1)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def join_group(
+    config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None, threads: int
+) -> tuple[TPGroup, ModelRunner, Any]:
+    """Pin this process to its CPU share, join the group as `rank` and build its runner:
+    (its group, its runner, the runner's backend)."""
+    _pin(cpus, threads)
+    dist.init_process_group(
+        _backend_for(config.device),
+        init_method=init_method,
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
+    runner, backend = build_rank_runner(config, tp)
+    return tp, runner, backend
 
 
 def serve_steps(runner: ModelRunner) -> None:
