@@ -143,8 +143,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how tool calls are read from the model's text (hermes: "
-        "<tool_call>{json}</tool_call>, Hermes and Qwen models)",
+        help="how tool calls are read from the model's text, vLLM's names: hermes "
+        "(<tool_call>{json}</tool_call>: Hermes, Qwen 2.5/3), llama3_json or llama4_json "
+        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: Llama 3.2, "
+        "ToolACE), qwen3_coder or qwen3_xml (<function=...><parameter=...>: Qwen3-Coder), "
+        "deepseek_v3 (DeepSeek-V3's tool-call tokens), granite (<|tool_call|>[...])",
     )
     group.add_argument(
         "--enable-auto-tool-choice",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from octavo import LLM
 from octavo.core.mock_runner import MockRunner
 from octavo.engine.async_engine import AsyncEngine
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
@@ -48,12 +49,13 @@ def mock_server(
     slow: bool = False,
     served_model_names: tuple[str, ...] = (),
     scheduler: dict[str, object] | None = None,
+    llm: LLM | None = None,
     **engine_config: object,
 ) -> Iterator[MockServer]:
     """A running server over a fresh mock engine (max_model_len 128; named "mock", or each of
     `served_model_names`; SchedulerConfig fields from `scheduler`, other EngineConfig fields
-    from `engine_config`); stopped on exit."""
-    llm = mock_llm(max_model_len=128, **(scheduler or {}))
+    from `engine_config`), or over `llm`'s engine when given; stopped on exit."""
+    llm = llm or mock_llm(max_model_len=128, **(scheduler or {}))
     engine = llm.llm_engine
     if served_model_names:
         engine_config.update(

@@ -221,4 +221,7 @@ def test_cli_flags_reach_engine_args_and_server_config(capsys) -> None:
     assert main(["serve", "--enable-auto-tool-choice"]) == 2
     assert "needs tool_call_parser (--tool-call-parser)" in capsys.readouterr().err
     assert main(["serve", "--tool-call-parser", "xml"]) == 2
-    assert "tool_call_parser must be one of hermes; got 'xml'" in capsys.readouterr().err
+    names = "deepseek_v3, granite, hermes, llama3_json, llama4_json, mistral, pythonic, "
+    assert f"tool_call_parser must be one of {names}qwen3_coder, qwen3_xml; got 'xml'" in (
+        capsys.readouterr().err
+    )

@@ -114,6 +114,8 @@ class OpenAIServingChat:
             max_tokens = None  # the limit decides, cut to the prompt's room by process_prompt
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = make_sampling_params(context, request, max_tokens, logprobs, rename)
+        if tool_setup.keeps_special_tokens:
+            params.skip_special_tokens = False  # the parser needs its markers (vLLM's rule)
         if tool_setup.structured_outputs is not None:
             if params.structured_outputs is not None:
                 raise bad_request(

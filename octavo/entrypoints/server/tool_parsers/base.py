@@ -14,6 +14,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def make_tool_call_id() -> str:
@@ -63,7 +64,17 @@ class DeltaUpdate:
 class ToolParser(ABC):
     """Reads one choice's output. Streaming: `feed` each text delta in order, then `finish`
     once. The deltas of one stream, concatenated, give the same content and calls as
-    `extract` on the whole text (for well-formed calls). An instance serves one choice only."""
+    `extract` on the whole text (for well-formed calls). An instance serves one choice only.
+
+    `tools` are the request's tools as the chat template takes them (`{"type": "function",
+    "function": {...}}`); formats that write arguments as text read their types there."""
+
+    # The format's markers are special tokens, which the output must keep: a request this
+    # parser reads is decoded with skip_special_tokens off (as vLLM does for `mistral`).
+    keeps_special_tokens = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from octavo.entrypoints.server.tool_parsers.base import (
     DeltaUpdate,
@@ -29,6 +30,7 @@ from octavo.entrypoints.server.tool_parsers.base import (
     register_tool_parser,
 )
 from octavo.entrypoints.server.tool_parsers.json_stream import CallStreamer, parse_call
+from octavo.entrypoints.server.tool_parsers.section import held_back
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +39,10 @@ END = "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.DOTALL)
 
 
-def held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self._text = ""
         self._pos = 0  # text before this index has been handled
         self._block: CallStreamer | None = None

@@ -17,6 +17,7 @@ Must not: parse model output (the parsers do) or touch the engine.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ class ToolSetup:
     # Makes one parser per choice; None: the output is plain content.
     make_parser: Callable[[], ToolParser] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # The parser's markers are special tokens: the output must be decoded with them.
+    keeps_special_tokens: bool = False
 
 
 def check_tools(tools: list[ChatCompletionToolsParam] | None) -> list[dict[str, Any]] | None:
@@ -113,7 +116,12 @@ def resolve_tools(
                 "--tool-call-parser.",
                 "tool_choice",
             )
-        return ToolSetup(checked, get_tool_parser(serving.tool_call_parser))
+        parser = get_tool_parser(serving.tool_call_parser)
+        return ToolSetup(
+            checked,
+            functools.partial(parser, checked),
+            keeps_special_tokens=parser.keeps_special_tokens,
+        )
     if tool_choice == "required":
         schema = required_schema(
             [tool.function.parameters for tool in tools], [tool.function.name for tool in tools]
