@@ -211,6 +211,43 @@ def test_metrics_and_request_log_agree_with_what_ran(tmp_path) -> None:
     assert lines["a"]["ttft_s"] <= lines["a"]["e2e_latency_s"]
 
 
+def test_prompt_token_sources_and_n_through_the_engine() -> None:
+    """a's 9-token prompt is all computed. b asks for the same prompt with n=2 after a
+    finished: each child finds a's two full blocks (8 tokens) in the prefix cache and computes
+    the last token. The n and the longest completion are counted once per caller's request."""
+    engine = make_engine(None)
+    app = make_server_app(engine, ServerConfig())
+    prompt = list(range(10, 19))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=2))
+    run_to_completion(engine)
+    engine.add_request("b", prompt, SamplingParams(max_tokens=3, n=2))
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
+
+    values, types = scrape(app)
+    expected = {
+        series("vllm:prompt_tokens_total"): 9 * 3,
+        series("vllm:prompt_tokens_by_source_total", source="local_compute"): 9 + 1 + 1,
+        series("vllm:prompt_tokens_by_source_total", source="local_cache_hit"): 8 + 8,
+        series("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"): 0,
+        series("vllm:prompt_tokens_cached_total"): 16,
+        series("vllm:request_prefill_kv_computed_tokens_sum"): 9 + 1 + 1,
+        series("vllm:request_prefill_kv_computed_tokens_count"): 3,
+        series("vllm:request_params_n_count"): 2,
+        series("vllm:request_params_n_sum"): 1 + 2,
+        series("vllm:request_params_n_bucket", le="1.0"): 1,
+        series("vllm:request_max_num_generation_tokens_sum"): 2 + 3,
+        series("vllm:request_max_num_generation_tokens_count"): 2,
+        # One per stream that produced a token (a single-token stream records 0).
+        series("vllm:request_time_per_output_token_seconds_count"): 3,
+        series("vllm:num_requests_waiting_by_reason", reason="capacity"): 0,
+        series("vllm:num_requests_waiting_by_reason", reason="deferred"): 0,
+    }
+    assert {key: values.get(key) for key in expected} == expected
+    assert types["vllm:prompt_tokens_by_source_total"] == "counter"
+    assert types["vllm:num_requests_waiting_by_reason"] == "gauge"
+
+
 @pytest.mark.parametrize(
     "admission,num_preemptions", [("current", 1), ("reserve", 0), ("ratio", 0)]
 )
