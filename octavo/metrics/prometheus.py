@@ -114,6 +114,8 @@ ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # has no KV connector, so nothing comes from another instance: that series stays at 0).
 WAITING_REASONS = ("capacity", "deferred")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's cache tiers a prefix hit can come from; octavo's prefix cache is the device's own.
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
@@ -280,6 +282,17 @@ class _EngineMetrics:
             "vllm:prompt_tokens_cached",
             "Prompt tokens whose KV was reused rather than computed (prefix cache and external).",
         )
+        cached_by_source = family(
+            Counter,
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hits in tokens, counted at admission, by the tier that held them: "
+            "device (the engine's own KV cache), host, disk, p2p (another instance), "
+            "external_unspecified.",
+            [*LABEL_NAMES, "source"],
+        )
+        self.prompt_tokens_cached_by_source = {
+            source: cached_by_source.labels(**labels, source=source) for source in CACHE_HIT_SOURCES
+        }
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -424,7 +437,9 @@ class _EngineMetrics:
         self.prefix_cache_queries.inc(
             max(stats.prefix_cache_queries - self._last_prefix_cache_queries, 0)
         )
-        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._last_prefix_cache_hits, 0))
+        num_new_hits = max(stats.prefix_cache_hits - self._last_prefix_cache_hits, 0)
+        self.prefix_cache_hits.inc(num_new_hits)
+        self.prompt_tokens_cached_by_source["device"].inc(num_new_hits)
         self._last_num_preemptions = stats.num_preemptions
         self._last_prefix_cache_queries = stats.prefix_cache_queries
         self._last_prefix_cache_hits = stats.prefix_cache_hits

@@ -26,6 +26,7 @@ EXPECTED_TYPES = {
     "vllm:prompt_tokens_total": "counter",
     "vllm:prompt_tokens_by_source_total": "counter",
     "vllm:prompt_tokens_cached_total": "counter",
+    "vllm:prompt_tokens_cached_by_source_total": "counter",
     "vllm:generation_tokens_total": "counter",
     "vllm:request_success_total": "counter",
     "vllm:iteration_tokens_total": "histogram",
@@ -89,6 +90,11 @@ def test_every_metric_has_vllm_type_and_labels() -> None:
             "source",
             ("local_compute", "local_cache_hit", "external_kv_transfer"),
         ),
+        (
+            "vllm:prompt_tokens_cached_by_source_total",
+            "source",
+            ("device", "host", "p2p", "disk", "external_unspecified"),
+        ),
     ):
         for v in values:
             assert f'{name}{{engine="0",model_name="m",{label}="{v}"}} 0.0' in text
@@ -150,6 +156,9 @@ def test_record_turns_stats_into_increments() -> None:
     assert value("vllm:num_preemptions_total", MODEL) == 3
     assert value("vllm:prefix_cache_queries_total", MODEL) == 50
     assert value("vllm:prefix_cache_hits_total", MODEL) == 16
+    cached_by_source = "vllm:prompt_tokens_cached_by_source_total"
+    assert value(cached_by_source, {**MODEL, "source": "device"}) == 16
+    assert value(cached_by_source, {**MODEL, "source": "host"}) == 0
     assert value("vllm:prompt_tokens_total", MODEL) == 10
     assert value("vllm:generation_tokens_total", MODEL) == 2
     by_source = "vllm:prompt_tokens_by_source_total"
