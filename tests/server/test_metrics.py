@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from octavo.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -348,6 +351,46 @@ def test_server_metrics_after_a_streamed_request(server, http) -> None:
         > 0
     )
     assert after[key("vllm:num_requests_running")] == 0
+
+
+# The series vLLM's example Grafana dashboards read (benchmarks/vllm_dashboard_series.py).
+DASHBOARD_SERIES = Path(__file__).parents[1] / "data" / "vllm_dashboard_series.json"
+
+
+def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
+    """After a request, /metrics serves every series named by the PromQL of vLLM's example
+    dashboards, labelled with the model and the engine, with each label value a query
+    filters on (finished_reason="error", reason="deferred", a TTFT bucket bound, ...). A
+    series that cannot mean anything here must say why in the data, not be skipped."""
+    body = {"model": SERVER_MODEL, "prompt": "Count: one two", "max_tokens": 3, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    server.wait_idle()
+    samples: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            samples[sample.name].append(sample.labels)
+
+    data = json.loads(DASHBOARD_SERIES.read_text())
+    assert data["dashboards"] and data["series"]
+    missing, unlabelled = [], []
+    for entry in data["series"]:
+        if "not_applicable" in entry or "from_prometheus" in entry:
+            assert entry.get("not_applicable") or entry.get("from_prometheus"), entry
+            continue
+        name = entry.get("served_as", entry["name"])
+        if name not in samples:
+            missing.append(name)
+            continue
+        labels = samples[name]
+        if name.startswith("vllm:") and not any(
+            s.get("model_name") == SERVER_MODEL and s.get("engine") == "0" for s in labels
+        ):
+            unlabelled.append(name)
+        for label, values in entry.get("label_values", {}).items():
+            for value in values:
+                if not any(s.get(label) == value for s in labels):
+                    missing.append(f"{name}{{{label}={value!r}}}")
+    assert missing == [] and unlabelled == []
 
 
 def test_admission_flags_reach_the_resolved_config() -> None:
