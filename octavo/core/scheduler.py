@@ -462,6 +462,11 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_deferred_reqs=sum(
+                1
+                for request in self.waiting
+                if request.grammar is not None and not request.grammar.is_ready()
+            ),
             kv_cache_usage=kv.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,

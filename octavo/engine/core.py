@@ -164,7 +164,9 @@ class EngineCore:
         )
         tracker.record_preempted(scheduler_output.preempted_req_ids, step_start_time)
         for output in outputs:
-            tracker.record_tokens(output.request_id, len(output.new_token_ids), now)
+            tracker.record_tokens(
+                output.request_id, len(output.new_token_ids), now, output.num_cached_tokens
+            )
             if output.finish_reason is not None:
                 tracker.record_finished(output.request_id, output.finish_reason, now)
 

@@ -60,7 +60,7 @@ from octavo.engine.async_engine import (
 from octavo.engine.core import EngineCoreRequest
 from octavo.engine.core_proc import CoreInfo, run_engine_core
 from octavo.engine.input_processor import InputProcessor
-from octavo.engine.llm_engine import fan_out, record_stats
+from octavo.engine.llm_engine import add_finished_requests, fan_out, record_stats
 from octavo.engine.output_processor import OutputKind, OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
@@ -544,7 +544,7 @@ class AsyncMPEngine(AsyncEngine):
             record_stats(
                 self.engine.stat_loggers,
                 serial.decode_scheduler_stats(scheduler),
-                serial.decode_iteration_stats(iteration),
+                add_finished_requests(serial.decode_iteration_stats(iteration), processed),
                 replica,
             )
         elif kind == "utility":

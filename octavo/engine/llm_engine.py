@@ -30,7 +30,7 @@ from octavo.config import EngineArgs, EngineConfig, capacity_line, weights_line
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.core import EngineCore, EngineCoreRequest
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from octavo.engine.output_processor import OutputKind, OutputProcessor
+from octavo.engine.output_processor import OutputKind, OutputProcessor, ProcessedOutputs
 from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import IterationStats, SchedulerStats, StatLogger
@@ -151,7 +151,8 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(step.outputs)
         # The one backward edge: stop strings found in the text end requests next step.
         self.core.abort_requests(processed.reqs_to_abort, stopped=True)
-        self._record_stats(self.core.take_iteration_stats(step.num_scheduled_tokens))
+        iteration_stats = self.core.take_iteration_stats(step.num_scheduled_tokens)
+        self._record_stats(add_finished_requests(iteration_stats, processed))
         return processed.request_outputs
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
@@ -191,6 +192,16 @@ def record_stats(
             stat_logger.record(scheduler_stats, iteration_stats, engine_index)
         except Exception:
             logger.exception("stat logger %r failed", stat_logger)
+
+
+def add_finished_requests(
+    iteration_stats: IterationStats, processed: ProcessedOutputs
+) -> IterationStats:
+    """The core's stats of a step plus what only the frontend knows: the callers' requests
+    that finished (their n, their longest stream), as vLLM's frontend records them."""
+    iteration_stats.n_params.extend(processed.n_params)
+    iteration_stats.max_num_generation_tokens.extend(processed.max_num_generation_tokens)
+    return iteration_stats
 
 
 def freeze_startup_objects() -> None:

@@ -44,6 +44,10 @@ class ProcessedOutputs:
     # Core request ids that hit a stop string this step; the engine aborts them in the
     # scheduler. Their outputs already say FinishReason.STOP.
     reqs_to_abort: list[str]
+    # One entry per caller's request that finished (every stream of it): its n, and the most
+    # tokens one of its streams got (vllm:request_params_n, request_max_num_generation_tokens).
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -179,14 +183,18 @@ class OutputProcessor:
                 changed.setdefault(request.request_id, request)
 
         # 4) Build the outputs.
-        request_outputs: list[RequestOutput] = []
+        processed = ProcessedOutputs([], reqs_to_abort)
         for request in changed.values():
             request_output = self._make_request_output(request)
             if request_output is not None:
-                request_outputs.append(request_output)
+                processed.request_outputs.append(request_output)
             if request.is_finished:
                 del self._requests[request.request_id]
-        return ProcessedOutputs(request_outputs, reqs_to_abort)
+                processed.n_params.append(len(request.completions))
+                processed.max_num_generation_tokens.append(
+                    max(len(c.token_ids) for c in request.completions)
+                )
+        return processed
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Finishes requests with FinishReason.ABORT; unknown ids are ignored.

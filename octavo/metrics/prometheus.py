@@ -107,6 +107,15 @@ REQUEST_LATENCY_BUCKETS_S = [
 ]
 # vLLM's buckets of the number of times a request was preempted.
 REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
+# vLLM's buckets of the n request parameter and of tokens per engine step.
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# vLLM's label values: why a request waits, and where a prompt token's KV came from (octavo
+# has no KV connector, so nothing comes from another instance: that series stays at 0).
+WAITING_REASONS = ("capacity", "deferred")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's cache tiers a prefix hit can come from; octavo's prefix cache is the device's own.
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
@@ -141,17 +150,6 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def build_power_of_2_buckets(max_value: int) -> list[int]:
-    """1, 8, 16, 32, ... up to and including max_value (tokens per step)."""
-    buckets = [1]
-    value = 8
-    while value < max_value:
-        buckets.append(value)
-        value *= 2
-    buckets.append(max_value)
-    return buckets
-
-
 class PrometheusStatLogger:
     """vLLM's gauges for the scheduler's state, counters for tokens, requests, preemptions and
     prefix-cache lookups, and histograms of request latencies and lengths; plus octavo's
@@ -172,7 +170,6 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry | None = None,
         max_model_len: int = 32768,
-        max_num_batched_tokens: int = 8192,
         cache_info: dict[str, str] | None = None,
         num_engines: int = 1,
     ) -> None:
@@ -196,7 +193,6 @@ class PrometheusStatLogger:
                 family,
                 {"model_name": model_name, "engine": str(index)},
                 max_model_len,
-                max_num_batched_tokens,
                 cache_info,
             )
             for index in range(num_engines)
@@ -225,7 +221,6 @@ class _EngineMetrics:
         family: Callable[..., Any],
         labels: dict[str, str],
         max_model_len: int,
-        max_num_batched_tokens: int,
         cache_info: dict[str, str] | None,
     ) -> None:
         def gauge(name: str, documentation: str) -> Gauge:
@@ -246,6 +241,17 @@ class _EngineMetrics:
         self.num_requests_waiting = gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed."
         )
+        waiting_by_reason = family(
+            Gauge,
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by why they wait: 'capacity' for room in the batch or the KV "
+            "cache, 'deferred' for a structured-output grammar still compiling. The reasons "
+            "add up to vllm:num_requests_waiting.",
+            [*LABEL_NAMES, "reason"],
+        )
+        self.num_requests_waiting_by_reason = {
+            reason: waiting_by_reason.labels(**labels, reason=reason) for reason in WAITING_REASONS
+        }
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
@@ -261,6 +267,32 @@ class _EngineMetrics:
         )
         # Tokens and requests.
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = family(
+            Counter,
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: computed by a prefill here "
+            "(local_compute), found in the prefix cache (local_cache_hit), or received from "
+            "another instance (external_kv_transfer).",
+            [*LABEL_NAMES, "source"],
+        )
+        self.prompt_tokens_by_source = {
+            source: by_source.labels(**labels, source=source) for source in PROMPT_TOKEN_SOURCES
+        }
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens whose KV was reused rather than computed (prefix cache and external).",
+        )
+        cached_by_source = family(
+            Counter,
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hits in tokens, counted at admission, by the tier that held them: "
+            "device (the engine's own KV cache), host, disk, p2p (another instance), "
+            "external_unspecified.",
+            [*LABEL_NAMES, "source"],
+        )
+        self.prompt_tokens_cached_by_source = {
+            source: cached_by_source.labels(**labels, source=source) for source in CACHE_HIT_SOURCES
+        }
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -277,7 +309,7 @@ class _EngineMetrics:
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
-            build_power_of_2_buckets(max_num_batched_tokens),
+            ITERATION_TOKENS_BUCKETS,
         )
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds",
@@ -340,6 +372,22 @@ class _EngineMetrics:
             "Histogram of the max_tokens request parameter.",
             token_buckets,
         )
+        self.request_params_n = histogram(
+            "vllm:request_params_n",
+            "The n parameter (completions asked for) of each finished request.",
+            REQUEST_PARAMS_N_BUCKETS,
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "For each finished request, the most tokens one of its n completions generated.",
+            token_buckets,
+        )
+        self.request_prefill_kv_computed_tokens = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "For each finished request, the prompt tokens its prefill computed (prefix-cache "
+            "hits left out).",
+            token_buckets,
+        )
         if cache_info is not None:
             # An info metric as vLLM exports it: a gauge at 1 whose labels are the settings.
             info = {**{k: str(v) for k, v in cache_info.items()}, "engine": labels["engine"]}
@@ -373,6 +421,11 @@ class _EngineMetrics:
     ) -> None:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        num_deferred = min(scheduler_stats.num_deferred_reqs, scheduler_stats.num_waiting_reqs)
+        self.num_requests_waiting_by_reason["deferred"].set(num_deferred)
+        self.num_requests_waiting_by_reason["capacity"].set(
+            scheduler_stats.num_waiting_reqs - num_deferred
+        )
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
         self._record_scheduler_counters(scheduler_stats)
         if iteration_stats is not None:
@@ -384,13 +437,19 @@ class _EngineMetrics:
         self.prefix_cache_queries.inc(
             max(stats.prefix_cache_queries - self._last_prefix_cache_queries, 0)
         )
-        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._last_prefix_cache_hits, 0))
+        num_new_hits = max(stats.prefix_cache_hits - self._last_prefix_cache_hits, 0)
+        self.prefix_cache_hits.inc(num_new_hits)
+        self.prompt_tokens_cached_by_source["device"].inc(num_new_hits)
         self._last_num_preemptions = stats.num_preemptions
         self._last_prefix_cache_queries = stats.prefix_cache_queries
         self._last_prefix_cache_hits = stats.prefix_cache_hits
 
     def _record_iteration(self, iteration: IterationStats) -> None:
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        num_cached = iteration.num_cached_prompt_tokens
+        self.prompt_tokens_by_source["local_compute"].inc(iteration.num_prompt_tokens - num_cached)
+        self.prompt_tokens_by_source["local_cache_hit"].inc(num_cached)
+        self.prompt_tokens_cached.inc(num_cached)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         if iteration.num_scheduled_tokens:
             self.iteration_tokens.observe(iteration.num_scheduled_tokens)
@@ -403,6 +462,10 @@ class _EngineMetrics:
         self.num_requests_evicted.inc(iteration.num_newly_evicted_reqs)
         for finished in iteration.finished_requests:
             self._record_finished(finished)
+        for n in iteration.n_params:
+            self.request_params_n.observe(n)
+        for num_tokens in iteration.max_num_generation_tokens:
+            self.request_max_num_generation_tokens.observe(num_tokens)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         success = self.request_success.get(finished.finish_reason)
@@ -414,13 +477,18 @@ class _EngineMetrics:
         self.request_generation_tokens.observe(finished.num_generation_tokens)
         self.request_params_max_tokens.observe(finished.max_tokens)
         self.request_num_preemptions.observe(finished.num_evictions)
+        self.request_prefill_kv_computed_tokens.observe(
+            finished.num_prompt_tokens - finished.num_cached_tokens
+        )
         if finished.ttft_s is not None:
             self.request_prefill_time.observe(finished.prefill_time_s)
             self.request_decode_time.observe(finished.decode_time_s)
             self.request_inference_time.observe(finished.prefill_time_s + finished.decode_time_s)
-        if finished.num_generation_tokens > 1:
+            # The mean gap after the first token; 0 for a single token, as vLLM records it.
             self.request_time_per_output_token.observe(
                 finished.decode_time_s / (finished.num_generation_tokens - 1)
+                if finished.num_generation_tokens > 1
+                else 0.0
             )
         if finished.num_generation_tokens >= 2:
             self.request_max_token_gap.observe(finished.max_token_gap_s)

@@ -32,6 +32,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    # Of the waiting ones, those held back by something other than room: a structured-output
+    # grammar still compiling (vLLM's `deferred` reason; the others wait for `capacity`).
+    num_deferred_reqs: int = 0
 
     @classmethod
     def combined(cls, stats: list[SchedulerStats]) -> SchedulerStats:
@@ -51,6 +54,7 @@ class SchedulerStats:
             prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
             num_free_blocks=sum(s.num_free_blocks for s in stats),
             num_blocks=num_blocks,
+            num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
         )
 
 
@@ -79,6 +83,8 @@ class FinishedRequestStats:
     num_evictions: int
     # Eviction -> the request's next token, one per eviction that was followed by a token.
     eviction_freezes_s: tuple[float, ...] = ()
+    # Prompt tokens found in the prefix cache when it was first admitted.
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -89,8 +95,10 @@ class IterationStats:
     # Tokens the step ran (prompt chunks and decodes).
     num_scheduled_tokens: int = 0
     # Prompt tokens of requests that got their first token in this step (vLLM counts a
-    # prompt once, when its prefill is done).
+    # prompt once, when its prefill is done), and how many of them came from the prefix cache
+    # rather than being computed.
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     # Requests evicted for the first time in this step.
@@ -101,6 +109,10 @@ class IterationStats:
     # Freezes that ended in this step (eviction -> next token).
     eviction_freezes_s: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # One entry per caller's request that finished (all n of its streams): its n and the most
+    # tokens one of its streams generated. The frontend adds these (it owns the fan-out).
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

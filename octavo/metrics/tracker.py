@@ -32,6 +32,8 @@ class _RequestTimes:
     num_generation_tokens: int = 0
     max_token_gap_s: float = 0.0
     num_evictions: int = 0
+    # Prefix-cache hits at admission, as the scheduler reported them with the first token.
+    num_cached_tokens: int = 0
     # Evictions not yet followed by a token; each one's freeze ends at the next token.
     pending_eviction_times: list[float] = field(default_factory=list)
     eviction_freezes_s: list[float] = field(default_factory=list)
@@ -70,8 +72,12 @@ class RequestStatsTracker:
             times.num_evictions += 1
             times.pending_eviction_times.append(now)
 
-    def record_tokens(self, request_id: str, num_new_tokens: int, now: float) -> None:
-        """`num_new_tokens` (> 0) reached the output at `now`."""
+    def record_tokens(
+        self, request_id: str, num_new_tokens: int, now: float, num_cached_tokens: int = 0
+    ) -> None:
+        """`num_new_tokens` (> 0) reached the output at `now`. `num_cached_tokens`: the
+        request's prompt tokens that came from the prefix cache (read with its first token:
+        its prompt is counted then, split into computed and cached)."""
         times = self._requests.get(request_id)
         if times is None or num_new_tokens <= 0:
             return
@@ -79,7 +85,9 @@ class RequestStatsTracker:
         iteration.num_generation_tokens += num_new_tokens
         if times.first_token_time is None:
             times.first_token_time = now
+            times.num_cached_tokens = min(num_cached_tokens, times.num_prompt_tokens)
             iteration.num_prompt_tokens += times.num_prompt_tokens
+            iteration.num_cached_prompt_tokens += times.num_cached_tokens
             iteration.time_to_first_tokens_s.append(now - times.arrival_time)
         else:
             gap_s = now - times.last_token_time
@@ -115,6 +123,7 @@ class RequestStatsTracker:
                 max_token_gap_s=times.max_token_gap_s,
                 num_evictions=times.num_evictions,
                 eviction_freezes_s=tuple(times.eviction_freezes_s),
+                num_cached_tokens=times.num_cached_tokens,
             )
         )
 

@@ -68,9 +68,13 @@ def test_a_request_whose_grammar_compiles_waits_without_blocking_the_queue() -> 
     out, _ = step(scheduler)
     assert out.num_scheduled_tokens == {"b": 2, "c": 2}
     assert out.structured_output_req_ids == [] and ids(scheduler.waiting) == ["a"]
+    # a waits for its grammar, not for room: vLLM's `deferred` reason.
+    stats = scheduler.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_deferred_reqs) == (1, 1)
     scheduler.check_integrity()
 
     compiling.ready = True
+    assert scheduler.make_stats().num_deferred_reqs == 0
     d = make_request("d", [40])
     scheduler.add_request(d)
     out, _ = step(scheduler)

@@ -8,11 +8,7 @@ import json
 
 import pytest
 
-from octavo.metrics.prometheus import (
-    PrometheusStatLogger,
-    build_1_2_5_buckets,
-    build_power_of_2_buckets,
-)
+from octavo.metrics.prometheus import PrometheusStatLogger, build_1_2_5_buckets
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
@@ -22,11 +18,15 @@ MODEL = {"model_name": "m", "engine": "0"}
 EXPECTED_TYPES = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_waiting_by_reason": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:num_preemptions_total": "counter",
     "vllm:prefix_cache_queries_total": "counter",
     "vllm:prefix_cache_hits_total": "counter",
     "vllm:prompt_tokens_total": "counter",
+    "vllm:prompt_tokens_by_source_total": "counter",
+    "vllm:prompt_tokens_cached_total": "counter",
+    "vllm:prompt_tokens_cached_by_source_total": "counter",
     "vllm:generation_tokens_total": "counter",
     "vllm:request_success_total": "counter",
     "vllm:iteration_tokens_total": "histogram",
@@ -42,6 +42,9 @@ EXPECTED_TYPES = {
     "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:request_num_preemptions": "histogram",
     "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
     "vllm:cache_config_info": "gauge",
     "process_resident_memory_bytes": "gauge",
     "python_info": "gauge",
@@ -76,15 +79,31 @@ def test_every_metric_has_vllm_type_and_labels() -> None:
     types = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
     for name, kind in EXPECTED_TYPES.items():
         assert types.get(name) == kind, name
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error"):
         labels = f'engine="0",finished_reason="{reason}",model_name="m"'
         assert f"vllm:request_success_total{{{labels}}} 0.0" in text
+    # Every label value vLLM exports is there from the start, at 0.
+    for name, label, values in (
+        ("vllm:num_requests_waiting_by_reason", "reason", ("capacity", "deferred")),
+        (
+            "vllm:prompt_tokens_by_source_total",
+            "source",
+            ("local_compute", "local_cache_hit", "external_kv_transfer"),
+        ),
+        (
+            "vllm:prompt_tokens_cached_by_source_total",
+            "source",
+            ("device", "host", "p2p", "disk", "external_unspecified"),
+        ),
+    ):
+        for v in values:
+            assert f'{name}{{engine="0",model_name="m",{label}="{v}"}} 0.0' in text
     info = 'block_size="16",cache_dtype="bfloat16",engine="0",num_gpu_blocks="64"'
     assert f"vllm:cache_config_info{{{info}}} 1.0" in text
 
 
 def test_record_turns_stats_into_increments() -> None:
-    logger = PrometheusStatLogger("m", max_model_len=100, max_num_batched_tokens=64)
+    logger = PrometheusStatLogger("m", max_model_len=100)
     value = logger.registry.get_sample_value
     logger.record(
         SchedulerStats(
@@ -99,14 +118,17 @@ def test_record_turns_stats_into_increments() -> None:
     logger.record(
         SchedulerStats(
             num_running_reqs=1,
+            num_waiting_reqs=3,
             kv_cache_usage=0.5,
             num_preemptions=3,
             prefix_cache_queries=50,
             prefix_cache_hits=16,
+            num_deferred_reqs=1,
         ),
         IterationStats(
             num_scheduled_tokens=12,
             num_prompt_tokens=10,
+            num_cached_prompt_tokens=4,
             num_generation_tokens=2,
             num_preemptions=1,
             num_newly_evicted_reqs=1,
@@ -114,20 +136,36 @@ def test_record_turns_stats_into_increments() -> None:
             inter_token_latencies_s=[0.02, 3.0],
             eviction_freezes_s=[3.0],
             finished_requests=[
-                finished("a", "stop", 5, num_evictions=1, eviction_freezes_s=(3.0,)),
+                finished(
+                    "a", "stop", 5, num_evictions=1, eviction_freezes_s=(3.0,), num_cached_tokens=4
+                ),
                 finished("b", "abort", 0, ttft_s=None),
                 finished("c", "length", 1),
             ],
+            # One caller asked for n=2 (a and c, say), another for one completion.
+            n_params=[2, 1],
+            max_num_generation_tokens=[5, 0],
         ),
     )
     assert value("vllm:num_requests_running", MODEL) == 1
-    assert value("vllm:num_requests_waiting", MODEL) == 0
+    assert value("vllm:num_requests_waiting", MODEL) == 3
+    waiting_by_reason = "vllm:num_requests_waiting_by_reason"
+    assert value(waiting_by_reason, {**MODEL, "reason": "capacity"}) == 2
+    assert value(waiting_by_reason, {**MODEL, "reason": "deferred"}) == 1
     assert value("vllm:kv_cache_usage_perc", MODEL) == 0.5
     assert value("vllm:num_preemptions_total", MODEL) == 3
     assert value("vllm:prefix_cache_queries_total", MODEL) == 50
     assert value("vllm:prefix_cache_hits_total", MODEL) == 16
+    cached_by_source = "vllm:prompt_tokens_cached_by_source_total"
+    assert value(cached_by_source, {**MODEL, "source": "device"}) == 16
+    assert value(cached_by_source, {**MODEL, "source": "host"}) == 0
     assert value("vllm:prompt_tokens_total", MODEL) == 10
     assert value("vllm:generation_tokens_total", MODEL) == 2
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert value(by_source, {**MODEL, "source": "local_compute"}) == 6
+    assert value(by_source, {**MODEL, "source": "local_cache_hit"}) == 4
+    assert value(by_source, {**MODEL, "source": "external_kv_transfer"}) == 0
+    assert value("vllm:prompt_tokens_cached_total", MODEL) == 4
     for reason, count in (("stop", 1), ("length", 1), ("abort", 1)):
         labels = {**MODEL, "finished_reason": reason}
         assert value("vllm:request_success_total", labels) == count
@@ -148,9 +186,17 @@ def test_record_turns_stats_into_increments() -> None:
     # A gap needs two tokens: only "a".
     assert value("octavo:request_max_token_gap_seconds_count", MODEL) == 1
     # Running time (prefill + decode) for requests with a token; time per output token
-    # (decode time over the tokens after the first) for those with two or more: "a", 1.0 / 4.
+    # (decode time over the tokens after the first) for those too, 0 for a single token:
+    # "a" 1.0 / 4, "c" 0.
     assert value("vllm:request_inference_time_seconds_sum", MODEL) == 3.0
     assert value("vllm:request_time_per_output_token_seconds_sum", MODEL) == 0.25
+    assert value("vllm:request_time_per_output_token_seconds_count", MODEL) == 2
+    # Prompt tokens computed per request: a found 4 of its 10 in the cache.
+    assert value("vllm:request_prefill_kv_computed_tokens_sum", MODEL) == 6 + 10 + 10
+    assert value("vllm:request_params_n_count", MODEL) == 2
+    assert value("vllm:request_params_n_bucket", {**MODEL, "le": "1.0"}) == 1
+    assert value("vllm:request_params_n_bucket", {**MODEL, "le": "2.0"}) == 2
+    assert value("vllm:request_max_num_generation_tokens_sum", MODEL) == 5
     assert value("vllm:request_params_max_tokens_sum", MODEL) == 48
     assert value("vllm:request_num_preemptions_sum", MODEL) == 1
     assert value("vllm:request_num_preemptions_bucket", {**MODEL, "le": "1.0"}) == 3
@@ -191,8 +237,6 @@ def test_combined_scheduler_stats_add_up_and_weigh_usage_by_blocks() -> None:
 def test_buckets() -> None:
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
-    assert build_power_of_2_buckets(64) == [1, 8, 16, 32, 64]
-    assert build_power_of_2_buckets(100) == [1, 8, 16, 32, 64, 100]
 
 
 def test_request_log_lines(tmp_path) -> None:

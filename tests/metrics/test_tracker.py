@@ -13,20 +13,22 @@ def test_a_request_evicted_once_and_one_aborted() -> None:
     tracker.add_request("b", arrival_time=10.5, num_prompt_tokens=3, max_tokens=4)
     assert len(tracker) == 2
 
-    # Step 1: both scheduled at 11.0, first tokens at 11.5.
+    # Step 1: both scheduled at 11.0, first tokens at 11.5; a had found 4 of its 5 prompt
+    # tokens in the prefix cache (counted with its first token, once).
     tracker.record_scheduled(["a", "b"], 11.0)
-    tracker.record_tokens("a", 1, 11.5)
+    tracker.record_tokens("a", 1, 11.5, num_cached_tokens=4)
     tracker.record_tokens("b", 1, 11.5)
     assert tracker.take_iteration_stats(8) == IterationStats(
         num_scheduled_tokens=8,
         num_prompt_tokens=8,
+        num_cached_prompt_tokens=4,
         num_generation_tokens=2,
         time_to_first_tokens_s=[1.5, 1.0],
     )
 
     # Step 2 starts at 12.0 and evicts b; a gets a token at 12.5.
     tracker.record_preempted(["b"], 12.0)
-    tracker.record_tokens("a", 1, 12.5)
+    tracker.record_tokens("a", 1, 12.5, num_cached_tokens=4)
     assert tracker.take_iteration_stats(1) == IterationStats(
         num_scheduled_tokens=1,
         num_generation_tokens=1,
@@ -75,6 +77,7 @@ def test_a_request_evicted_once_and_one_aborted() -> None:
             decode_time_s=1.25,
             max_token_gap_s=1.0,
             num_evictions=0,
+            num_cached_tokens=4,
         ),
     ]
     assert len(tracker) == 0

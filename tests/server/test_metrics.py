@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from octavo.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -211,6 +214,43 @@ def test_metrics_and_request_log_agree_with_what_ran(tmp_path) -> None:
     assert lines["a"]["ttft_s"] <= lines["a"]["e2e_latency_s"]
 
 
+def test_prompt_token_sources_and_n_through_the_engine() -> None:
+    """a's 9-token prompt is all computed. b asks for the same prompt with n=2 after a
+    finished: each child finds a's two full blocks (8 tokens) in the prefix cache and computes
+    the last token. The n and the longest completion are counted once per caller's request."""
+    engine = make_engine(None)
+    app = make_server_app(engine, ServerConfig())
+    prompt = list(range(10, 19))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=2))
+    run_to_completion(engine)
+    engine.add_request("b", prompt, SamplingParams(max_tokens=3, n=2))
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
+
+    values, types = scrape(app)
+    expected = {
+        series("vllm:prompt_tokens_total"): 9 * 3,
+        series("vllm:prompt_tokens_by_source_total", source="local_compute"): 9 + 1 + 1,
+        series("vllm:prompt_tokens_by_source_total", source="local_cache_hit"): 8 + 8,
+        series("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"): 0,
+        series("vllm:prompt_tokens_cached_total"): 16,
+        series("vllm:request_prefill_kv_computed_tokens_sum"): 9 + 1 + 1,
+        series("vllm:request_prefill_kv_computed_tokens_count"): 3,
+        series("vllm:request_params_n_count"): 2,
+        series("vllm:request_params_n_sum"): 1 + 2,
+        series("vllm:request_params_n_bucket", le="1.0"): 1,
+        series("vllm:request_max_num_generation_tokens_sum"): 2 + 3,
+        series("vllm:request_max_num_generation_tokens_count"): 2,
+        # One per stream that produced a token (a single-token stream records 0).
+        series("vllm:request_time_per_output_token_seconds_count"): 3,
+        series("vllm:num_requests_waiting_by_reason", reason="capacity"): 0,
+        series("vllm:num_requests_waiting_by_reason", reason="deferred"): 0,
+    }
+    assert {key: values.get(key) for key in expected} == expected
+    assert types["vllm:prompt_tokens_by_source_total"] == "counter"
+    assert types["vllm:num_requests_waiting_by_reason"] == "gauge"
+
+
 @pytest.mark.parametrize(
     "admission,num_preemptions", [("current", 1), ("reserve", 0), ("ratio", 0)]
 )
@@ -311,6 +351,46 @@ def test_server_metrics_after_a_streamed_request(server, http) -> None:
         > 0
     )
     assert after[key("vllm:num_requests_running")] == 0
+
+
+# The series vLLM's example Grafana dashboards read (benchmarks/vllm_dashboard_series.py).
+DASHBOARD_SERIES = Path(__file__).parents[1] / "data" / "vllm_dashboard_series.json"
+
+
+def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
+    """After a request, /metrics serves every series named by the PromQL of vLLM's example
+    dashboards, labelled with the model and the engine, with each label value a query
+    filters on (finished_reason="error", reason="deferred", a TTFT bucket bound, ...). A
+    series that cannot mean anything here must say why in the data, not be skipped."""
+    body = {"model": SERVER_MODEL, "prompt": "Count: one two", "max_tokens": 3, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    server.wait_idle()
+    samples: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            samples[sample.name].append(sample.labels)
+
+    data = json.loads(DASHBOARD_SERIES.read_text())
+    assert data["dashboards"] and data["series"]
+    missing, unlabelled = [], []
+    for entry in data["series"]:
+        if "not_applicable" in entry or "from_prometheus" in entry:
+            assert entry.get("not_applicable") or entry.get("from_prometheus"), entry
+            continue
+        name = entry.get("served_as", entry["name"])
+        if name not in samples:
+            missing.append(name)
+            continue
+        labels = samples[name]
+        if name.startswith("vllm:") and not any(
+            s.get("model_name") == SERVER_MODEL and s.get("engine") == "0" for s in labels
+        ):
+            unlabelled.append(name)
+        for label, values in entry.get("label_values", {}).items():
+            for value in values:
+                if not any(s.get(label) == value for s in labels):
+                    missing.append(f"{name}{{{label}={value!r}}}")
+    assert missing == [] and unlabelled == []
 
 
 def test_admission_flags_reach_the_resolved_config() -> None:

@@ -414,7 +414,6 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
     stat_logger = PrometheusStatLogger(
         engine_config.served_model_name,
         max_model_len=engine_config.scheduler.max_model_len,
-        max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
         cache_info={
             "block_size": cache.block_size,
             "num_gpu_blocks": cache.num_blocks,
