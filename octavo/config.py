@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,19 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names for how the ranks of a tensor-parallel model run.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 DEFAULT_MAX_LOGPROBS = 20
+# --profiler-config (vLLM's ProfilerConfig): the keys octavo takes, with vLLM's defaults. Only
+# the torch profiler exists here; VLLM_TORCH_PROFILER_DIR (vLLM's older switch) is read where
+# the flag is not given.
+PROFILER_CONFIG_DEFAULTS: dict[str, Any] = {
+    "profiler": None,
+    "torch_profiler_dir": "",
+    "torch_profiler_with_stack": True,
+    "torch_profiler_with_flops": False,
+    "torch_profiler_use_gzip": True,
+    "torch_profiler_record_shapes": False,
+    "torch_profiler_with_memory": False,
+}
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
 # running stream for seconds. With a cap per prompt and step, the prompts that arrive together
@@ -210,6 +224,11 @@ class EngineConfig:
     # The defaults of a request that leaves a field unset, as SamplingParams field names: the
     # generation config's with the overrides on top (vLLM's get_diff_sampling_param).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # sleep() / wake_up() allowed (vLLM's --enable-sleep-mode).
+    enable_sleep_mode: bool = False
+    # The torch profiler's settings (PROFILER_CONFIG_DEFAULTS' keys); empty: no profiler, and
+    # start_profile() is refused.
+    profiler_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokenizer_path(self) -> str:
@@ -507,6 +526,21 @@ class EngineArgs:
         "offline LLM only) or uni (one rank, in the engine's process)",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
+    enable_sleep_mode: bool = setting(
+        False,
+        "allow sleep() / wake_up() (POST /sleep, /wake_up with the dev endpoints): level 1 "
+        "frees the KV cache (weights stay in host memory on a CPU), level 2 the weights too, "
+        "reloaded from the model files at wake-up",
+    )
+    profiler_config: dict[str, Any] | None = setting(
+        None,
+        'the torch profiler, vLLM\'s JSON: {"profiler": "torch", "torch_profiler_dir": DIR} '
+        "(and torch_profiler_with_stack, _record_shapes, _with_memory, _with_flops, "
+        "_use_gzip); start_profile() / stop_profile() (POST /start_profile, /stop_profile) "
+        "write a trace of the steps between them to DIR. Default: " + PROFILER_DIR_ENV + " if set",
+        parse=json_object_flag("profiler_config"),
+        metavar="JSON",
+    )
     data_parallel_size: int = setting(
         1,
         "engine-core processes, each with its own scheduler and KV pool, behind one API "
@@ -555,6 +589,14 @@ class EngineArgs:
             raise ValueError(
                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}."
             )
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_sleep_mode with tensor_parallel_size > 1 is not supported: sleep and "
+                "wake_up act on the engine's own process only."
+            )
+        if isinstance(self.profiler_config, str):  # LLM(...) may pass vLLM's JSON
+            self.profiler_config = json_object(self.profiler_config, "profiler_config")
+        resolve_profiler_config(self.profiler_config, {})  # a bad key fails here
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(
@@ -760,6 +802,8 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             sampling_defaults=self._sampling_defaults(model_config, generation_defaults),
+            enable_sleep_mode=self.enable_sleep_mode,
+            profiler_config=resolve_profiler_config(self.profiler_config, os.environ),
         )
 
     def _sampling_defaults(
@@ -951,6 +995,40 @@ def weights_line(bytes_by_type: dict[str, int]) -> str:
     total = sum(bytes_by_type.values())
     parts = ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in bytes_by_type.items())
     return f"weights: {total / 2**20:.1f} MiB ({parts})"
+
+
+def resolve_profiler_config(
+    given: Mapping[str, Any] | None, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """The profiler's settings: `given` (vLLM's ProfilerConfig keys) over vLLM's defaults, or
+    where nothing is given a torch profiler writing to `environ`'s VLLM_TORCH_PROFILER_DIR;
+    {} when neither asks for a profiler. ValueError naming a key octavo does not take, a
+    profiler other than torch, or a torch profiler without a folder."""
+    if given is None:
+        folder = environ.get(PROFILER_DIR_ENV, "")
+        given = {"profiler": "torch", "torch_profiler_dir": folder} if folder else {}
+    unknown = sorted(set(given) - set(PROFILER_CONFIG_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"profiler_config: {', '.join(unknown)} not supported (octavo takes "
+            f"{', '.join(PROFILER_CONFIG_DEFAULTS)})."
+        )
+    settings = {**PROFILER_CONFIG_DEFAULTS, **given}
+    if settings["profiler"] is None and settings["torch_profiler_dir"]:
+        settings["profiler"] = "torch"  # a folder alone asks for the only profiler there is
+    if settings["profiler"] is None:
+        return {}
+    if settings["profiler"] != "torch":
+        raise ValueError(
+            f"profiler_config: profiler must be 'torch' (octavo has no CUDA profiler hook); "
+            f"got {settings['profiler']!r}."
+        )
+    if not settings["torch_profiler_dir"]:
+        raise ValueError("profiler_config: the torch profiler needs a torch_profiler_dir.")
+    settings["torch_profiler_dir"] = os.path.abspath(
+        os.path.expanduser(str(settings["torch_profiler_dir"]))
+    )
+    return settings
 
 
 def _default_name(model: str | None) -> str:

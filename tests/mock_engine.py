@@ -68,7 +68,7 @@ def mock_llm(
     )
     runner = MockRunner(len(VOCAB), EOS_TOKEN_ID, script=SCRIPT, answer_lens=answer_lens)
     llm = LLM.__new__(LLM)
-    llm.llm_engine = LLMEngine(config, runner, word_tokenizer(), (EOS_TOKEN_ID,))
+    llm._start(LLMEngine(config, runner, word_tokenizer(), (EOS_TOKEN_ID,)))
     return llm
 
 

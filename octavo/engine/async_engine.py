@@ -290,7 +290,9 @@ class AsyncEngine:
                 num_failures = 0
                 self._num_steps += 1
                 self._deliver(outputs)
-                has_work = engine.has_unfinished_requests()
+                # Asleep, a step only delivers aborts: requests added meanwhile wait for a
+                # command (wake_up) instead of spinning the loop.
+                has_work = engine.has_unfinished_requests() and not engine.is_sleeping()
         except BaseException as exc:  # a bug in this loop: nobody may be left waiting
             logger.exception("engine thread crashed")
             self._dead_reason = f"the engine thread crashed: {exc!r}"

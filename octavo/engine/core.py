@@ -3,7 +3,9 @@ boundary: the scheduler, the model runner, grammar compilation and the per-reque
 
     add_request(EngineCoreRequest) / abort_requests(ids) / step() -> EngineCoreStep
 
-A step is schedule -> grammar bitmask -> execute -> update. What it returns is plain data
+A step is schedule -> grammar bitmask -> execute -> update. Between steps the core can sleep
+(vLLM's sleep mode: `sleep(level)` / `wake_up(tags)`, its memory released while it takes no
+step) and run the torch profiler (`start_profile` / `stop_profile`). What it returns is plain data
 (token ids, finish reasons, the step's stats), so that the same step crosses a process boundary
 as one message (octavo/engine/core_proc.py) or goes straight to the OutputProcessor of an
 in-process LLMEngine.
@@ -15,8 +17,10 @@ ends those requests with `abort_requests(ids, stopped=True)`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -31,12 +35,48 @@ from octavo.metrics.stats import IterationStats, SchedulerStats
 from octavo.metrics.tracker import RequestStatsTracker
 from octavo.structured_output import StructuredOutputManager
 from octavo.worker.model_runner import ModelRunner
+from octavo.worker.profiler import TorchProfiler
 
 logger = logging.getLogger(__name__)
 
 # Longest an idle step waits for a grammar to compile; new commands (adds, aborts) are read
 # between steps, so this bounds how late the step loop sees them.
 _GRAMMAR_WAIT_S = 0.01
+
+# vLLM's sleep levels: 0 pauses the steps only; 1 also forgets the KV cache and releases its
+# memory; 2 releases the weights too (reloaded from the model files at wake-up).
+SLEEP_LEVELS = (0, 1, 2)
+# What to do with the requests in flight when sleep is called: vLLM's "abort" (its default;
+# vLLM's "wait" and "keep" are not implemented).
+SLEEP_MODES = ("abort",)
+# What wake_up restores, vLLM's tags; the core steps again once none is left asleep.
+WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
+
+
+def check_sleep(level: int, mode: str, enable_sleep_mode: bool) -> None:
+    """ValueError naming the parameter if `sleep(level, mode)` cannot be done (frontends check
+    before they abort anything)."""
+    if not enable_sleep_mode:
+        raise ValueError("sleep needs enable_sleep_mode=True (--enable-sleep-mode).")
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"level must be one of 0, 1, 2; got {level!r}.")
+    if mode not in SLEEP_MODES:
+        raise ValueError(
+            f"mode must be 'abort' (vLLM's 'wait' and 'keep' are not implemented); got {mode!r}."
+        )
+
+
+def check_wake_up_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
+    """The tags to wake (None: all), or ValueError naming an unknown one."""
+    if tags is None:
+        return WAKE_UP_TAGS
+    tags = tuple(tags)
+    unknown = [tag for tag in tags if tag not in WAKE_UP_TAGS]
+    if unknown:
+        raise ValueError(
+            f"tags must be among {', '.join(WAKE_UP_TAGS)}; got {', '.join(map(repr, unknown))}."
+        )
+    return tags
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +117,10 @@ class EngineCore:
             tokenizer, model_runner.vocab_size, eos_token_ids
         )
         self.stats_tracker = RequestStatsTracker()
+        # What sleep released and wake_up has not restored yet (WAKE_UP_TAGS); empty: awake.
+        self._sleeping_tags: set[str] = set()
+        profiler = config.profiler_config
+        self.profiler = TorchProfiler(profiler) if profiler else None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue one request; its grammar (if any) starts compiling off the step loop. Raises
@@ -118,8 +162,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreStep:
-        """One step. Its events go to the stats tracker; `take_iteration_stats` collects them
-        (after the frontend's stop-string aborts of the same step, in process)."""
+        """One step (none while asleep: an empty one). Its events go to the stats tracker;
+        `take_iteration_stats` collects them (after the frontend's stop-string aborts of the
+        same step, in process)."""
+        if self._sleeping_tags:
+            return EngineCoreStep([], 0)
         step_start_time = time.monotonic()
         scheduler_output = self._with_grammar_bitmask(self.scheduler.schedule())
         runner_output = self.model_runner.execute(scheduler_output)
@@ -173,6 +220,72 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    # --- sleep mode and the profiler ------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep: take no step until wake_up. Every request still here is aborted first
+        (its blocks freed; telling its caller is the frontend's business, which aborts its own
+        requests before calling this). Level 0 releases nothing; level 1 also forgets the
+        prefix cache and releases the KV cache's memory; level 2 the weights too (the runner
+        reloads them at wake-up). Already asleep: logged, nothing changes (vLLM's rule).
+        ValueError (check_sleep) where sleep mode is off or the level or mode is unknown."""
+        check_sleep(level, mode, self.config.enable_sleep_mode)
+        if self._sleeping_tags:
+            logger.warning("sleep(level=%d): the engine is already asleep", level)
+            return
+        start = time.perf_counter()
+        self.abort_requests(list(self.scheduler.requests))
+        if level == 0:
+            self._sleeping_tags = {"scheduling"}
+        else:
+            # Every block is free now: the cached prefixes go with the KV cache's contents.
+            reset = self.scheduler.reset_prefix_cache()
+            assert reset, "blocks still held after every request was aborted"
+            self.model_runner.sleep(level)
+            _collect_garbage()
+            self._sleeping_tags = set(WAKE_UP_TAGS)
+        logger.info("asleep at level %d in %.2f s", level, time.perf_counter() - start)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what sleep released among `tags` (None: everything; vLLM's tags "weights",
+        "kv_cache", "scheduling"); the core steps again once every tag is awake. Requests added
+        while asleep waited and run then. Not asleep: logged, nothing changes."""
+        tags = check_wake_up_tags(tags)
+        if not self._sleeping_tags:
+            logger.warning("wake_up: the engine is not asleep")
+            return
+        start = time.perf_counter()
+        self.model_runner.wake_up([tag for tag in tags if tag != "scheduling"])
+        self._sleeping_tags.difference_update(tags)
+        _collect_garbage()
+        logger.info(
+            "woke %s in %.2f s%s",
+            ", ".join(tags),
+            time.perf_counter() - start,
+            f"; still asleep: {', '.join(sorted(self._sleeping_tags))}"
+            if self._sleeping_tags
+            else "",
+        )
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping_tags)
+
+    def start_profile(self) -> None:
+        """Start the torch profiler (RuntimeError where none is configured, as vLLM's)."""
+        self._profiler().start()
+
+    def stop_profile(self) -> None:
+        """Stop it and write the trace to its folder."""
+        self._profiler().stop()
+
+    def _profiler(self) -> TorchProfiler:
+        if self.profiler is None:
+            raise RuntimeError(
+                "Profiler is not enabled: set profiler_config (--profiler-config) or "
+                "VLLM_TORCH_PROFILER_DIR."
+            )
+        return self.profiler
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
@@ -185,5 +298,16 @@ class EngineCore:
         self.model_runner.check_health()
 
     def shutdown(self) -> None:
+        if self.profiler is not None and self.profiler.is_running:
+            self.profiler.stop()
         self.structured_output.shutdown()
         self.model_runner.shutdown()
+
+
+def _collect_garbage() -> None:
+    """Free what sleep released now, cycles included (a model holds some), and keep the
+    collector off what remains or was loaded again (see freeze_startup_objects: start-up froze
+    its objects, which a collection would otherwise never free)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()

@@ -57,7 +57,7 @@ from octavo.engine.async_engine import (
     _EndAll,
     run_call,
 )
-from octavo.engine.core import EngineCoreRequest
+from octavo.engine.core import EngineCoreRequest, check_sleep
 from octavo.engine.core_proc import CoreInfo, run_engine_core
 from octavo.engine.input_processor import InputProcessor
 from octavo.engine.llm_engine import add_finished_requests, fan_out, record_stats
@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 1800.0
 # How often the output thread, with no message, checks that the core process is alive.
 _POLL_MS = 100
+# Longest wait for a core's sleep or wake-up (a wake-up may load the weights again) and for
+# a profiler trace to be written.
+_SLOW_CALL_TIMEOUT_S = 1800.0
 
 
 class _CoreProcess:
@@ -294,6 +297,32 @@ class MPEngine:
             with self.lock:
                 self.router.forget()
         return reset
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Abort every request in flight (their callers get their final outputs), then put
+        every core to sleep (EngineCore.sleep); requests added while asleep wait in the cores
+        for wake_up. The aborts and the sleep go out under the lock, so no request added in
+        between reaches a core that then sleeps with it."""
+        check_sleep(level, mode, self.config.enable_sleep_mode)
+        with self.lock:
+            self.abort_request(self.output_processor.unfinished_request_ids())
+            futures = [self._start_call(r, "sleep", (level, mode)) for r in self.live_replicas()]
+            if level >= 1:
+                self.router.forget()  # the cores forget their cached prefixes
+        for future in futures:
+            future.result(_SLOW_CALL_TIMEOUT_S)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.call_all("wake_up", tags, timeout_s=_SLOW_CALL_TIMEOUT_S)
+
+    def is_sleeping(self) -> bool:
+        return any(self.call_all("is_sleeping"))
+
+    def start_profile(self) -> None:
+        self.call_all("start_profile")
+
+    def stop_profile(self) -> None:
+        self.call_all("stop_profile", timeout_s=_SLOW_CALL_TIMEOUT_S)
 
     def make_stats(self) -> SchedulerStats:
         """The replicas' stats together (make_stats_per_replica for each one's)."""

@@ -48,7 +48,17 @@ _IDLE_POLL_MS = 1000
 
 # What a frontend may call on the core between steps, by name (a "utility" message).
 UTILITY_METHODS = frozenset(
-    {"reset_prefix_cache", "make_stats", "check_integrity", "has_unfinished_requests"}
+    {
+        "reset_prefix_cache",
+        "make_stats",
+        "check_integrity",
+        "has_unfinished_requests",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "start_profile",
+        "stop_profile",
+    }
 )
 
 
@@ -151,7 +161,9 @@ class EngineCoreLoop:
         core = self.core
         num_failures = 0
         while True:
-            idle = not core.has_unfinished_requests() and not self._failed
+            # Asleep, the core takes no step: requests added meanwhile wait for wake_up.
+            can_step = core.has_unfinished_requests() and not core.is_sleeping()
+            idle = not can_step and not self._failed
             commands = self._read_commands(block=idle)
             if idle and not commands:  # the poll timed out: still able to step?
                 try:
@@ -166,7 +178,7 @@ class EngineCoreLoop:
             if stopping:
                 self._drain()
                 return 0
-            if not core.has_unfinished_requests():
+            if core.is_sleeping() or not core.has_unfinished_requests():
                 if commands:  # aborts and failed adds still owe their callers a message
                     self._send_step([], 0)
                 continue

@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from octavo.config import EngineArgs, EngineConfig, capacity_line, weights_line
 from octavo.core.sampling_params import SamplingParams
-from octavo.engine.core import EngineCore, EngineCoreRequest
+from octavo.engine.core import EngineCore, EngineCoreRequest, check_sleep
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from octavo.engine.output_processor import OutputKind, OutputProcessor, ProcessedOutputs
 from octavo.engine.outputs import RequestOutput
@@ -171,6 +171,28 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
+
+    # --- sleep mode and the profiler (EngineCore's, with the frontend's part) ----------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Abort every request in flight (each caller gets its final output, finish reason
+        "abort", from the next step), then put the core to sleep (EngineCore.sleep). Steps
+        while asleep only deliver those outputs. ValueError naming a bad argument."""
+        check_sleep(level, mode, self.config.enable_sleep_mode)
+        self.abort_request(self.output_processor.unfinished_request_ids())
+        self.core.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def start_profile(self) -> None:
+        self.core.start_profile()
+
+    def stop_profile(self) -> None:
+        self.core.stop_profile()
 
     def make_stats(self) -> SchedulerStats:
         return self.core.make_stats()

@@ -230,6 +230,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The requests (as added: parents, not children) whose final output is not out."""
+        return list(self._requests)
+
     def get_num_unfinished_requests(self) -> int:
         """Requests as added (an n > 1 request counts once) whose final output is not out."""
         return len(self._requests)

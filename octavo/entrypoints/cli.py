@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -203,7 +204,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--enable-dev-endpoints",
         action="store_true",
-        help="serve /reset_prefix_cache (vLLM's dev-mode endpoints; behind --api-key if set)",
+        help="serve /reset_prefix_cache, /sleep, /wake_up and /is_sleeping (vLLM's dev-mode "
+        "endpoints, also on with VLLM_SERVER_DEV_MODE=1; behind --api-key if set)",
     )
 
 
@@ -243,6 +245,11 @@ def _string_list(text: str | None, default: tuple[str, ...] = ()) -> tuple[str, 
     return tuple(str(v).strip() for v in values if str(v).strip())
 
 
+def dev_mode_from_environment() -> bool:
+    """vLLM's switch for its development endpoints: VLLM_SERVER_DEV_MODE=1."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
+
+
 def server_config_from(ns: argparse.Namespace):
     from octavo.entrypoints.server.app import ServerConfig
 
@@ -278,7 +285,7 @@ def server_config_from(ns: argparse.Namespace):
         timeout_keep_alive_s=ns.timeout_keep_alive,
         limit_concurrency=ns.limit_concurrency,
         shutdown_timeout_s=ns.shutdown_timeout,
-        enable_dev_endpoints=ns.enable_dev_endpoints,
+        enable_dev_endpoints=ns.enable_dev_endpoints or dev_mode_from_environment(),
         engine_in_process=ns.engine_in_process,
     )
 

@@ -1,4 +1,5 @@
-"""LLM: the offline API, with vLLM's names (`generate`, `chat`), over one LLMEngine.
+"""LLM: the offline API, with vLLM's names (`generate`, `chat`, `sleep` / `wake_up`,
+`start_profile` / `stop_profile`, `get_metrics`), over one LLMEngine.
 
 from octavo import LLM, SamplingParams
 llm = LLM()                      # the embedded default model
@@ -22,6 +23,8 @@ from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import RequestOutput
 from octavo.entrypoints.vllm_compat import check_keywords
+from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
+from octavo.metrics.reader import Metric, get_metrics_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +44,19 @@ class LLM:
         for note in check_keywords(vllm_only):
             logger.info(note)
         settings = {name: value for name, value in kwargs.items() if name in own}
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **settings))
+        self._start(LLMEngine.from_engine_args(EngineArgs(model=model, **settings)))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine.from_engine_args(args)
+        llm._start(LLMEngine.from_engine_args(args))
         return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        # The engine's metrics, which get_metrics reads (a registry of this LLM's own).
+        self._stat_logger: PrometheusStatLogger = stat_logger_for(engine.config)
+        engine.add_stat_logger(self._stat_logger)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's method)."""
@@ -60,6 +69,46 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's snapshot of the engine's Prometheus metrics, those /metrics serves: one
+        Counter, Gauge or Histogram (octavo.metrics.reader, vLLM's classes) per series of the
+        `vllm:` and `octavo:` families, e.g. Counter("vllm:prompt_tokens", {...}, 12). Always
+        recorded here; vLLM needs disable_log_stats=False for it."""
+        return get_metrics_snapshot(self._stat_logger.registry)
+
+    # --- sleep mode (vLLM's) ------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Release the engine's memory until wake_up (needs enable_sleep_mode=True). Level 1:
+        the KV cache's contents are forgotten and its memory freed, the prefix cache reset; the
+        weights stay, as vLLM keeps them in host memory: on a CPU they are there already (on
+        another device octavo frees them and reloads them from the model files at wake-up).
+        Level 2: the weights are freed too and reloaded from the model files at wake-up.
+        Level 0: nothing is freed; the engine only stops stepping. `mode` "abort" (vLLM's
+        default; its "wait" and "keep" are not implemented): requests still in flight end
+        with finish reason "abort". generate() while asleep is a RuntimeError."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: `tags` among "weights", "kv_cache" and "scheduling"
+        (None: all). The engine runs again once all three are awake; it then gives the same
+        tokens as before it slept."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    # --- the profiler (vLLM's) ----------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Start the torch profiler over the engine's steps (needs profiler_config, or the
+        VLLM_TORCH_PROFILER_DIR environment variable, at start-up; else RuntimeError)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop it and write the trace (`*.pt.trace.json.gz`) to the configured folder."""
+        self.llm_engine.stop_profile()
 
     def generate(
         self,
@@ -133,6 +182,8 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
                 )
+        if self.llm_engine.is_sleeping():
+            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")

@@ -228,9 +228,10 @@ DISPOSITIONS: dict[str, Disposition] = {
     "hf_token": _refused("Hugging Face Hub downloads: " + DROP_IN),
     "hf_overrides": _refused("config overrides: " + DROP_IN),
     "model_class_overrides": _refused("model class overrides: octavo's models are its own"),
-    "enable_sleep_mode": _refused("sleep / wake_up: " + DROP_IN),
     "sleep_mode_offload_cudagraph": _no(CPU_ONLY),
-    "sleep_preserve_parameter_names": _no("applies with --enable-sleep-mode only"),
+    "sleep_preserve_parameter_names": _no(
+        "octavo's level 2 sleep reloads the model from its files, parameter names and all"
+    ),
     "enable_cumem_allocator": _no(CPU_ONLY),
     "enable_nccl_comm_suspend": _no(CPU_ONLY),
     "model_impl": _only(
@@ -264,7 +265,10 @@ DISPOSITIONS: dict[str, Disposition] = {
     "max_log_len": _no("octavo's request log holds lengths, never prompts"),
     "enable_log_outputs": _no("octavo's request log holds lengths, never outputs"),
     "enable_log_deltas": _no("octavo's request log holds lengths, never outputs"),
-    "fail_on_environ_validation": _no("octavo reads no VLLM_ environment variables"),
+    "fail_on_environ_validation": _no(
+        "octavo reads only VLLM_SERVER_DEV_MODE and VLLM_TORCH_PROFILER_DIR of vLLM's "
+        "environment variables"
+    ),
     "gdn_prefill_backend": _no(KERNELS),
     "kda_prefill_backend": _no(KERNELS),
     "kda_decode_backend": _no(KERNELS),
@@ -294,7 +298,6 @@ DISPOSITIONS: dict[str, Disposition] = {
         "octavo's structured outputs always use llguidance (vLLM's `guidance` backend)"
     ),
     "aux_output_config": _refused("auxiliary outputs: " + NOT_PLANNED),
-    "profiler_config": _refused("the profiler endpoints: " + DROP_IN),
     "optimization_level": _no(CPU_ONLY),
     "performance_mode": _no(
         "octavo's throughput and latency knobs are --max-num-batched-tokens and "

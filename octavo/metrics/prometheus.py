@@ -15,7 +15,7 @@ metrics are thread-safe, so no lock is needed here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -32,6 +32,9 @@ from prometheus_client import (
 
 from octavo.core.request import FinishReason
 from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+if TYPE_CHECKING:
+    from octavo.config import EngineConfig
 
 LABEL_NAMES = ["model_name", "engine"]
 FINISH_REASONS = tuple(FinishReason)
@@ -211,6 +214,24 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The registry in Prometheus text format (serve with `content_type`)."""
         return generate_latest(self.registry)
+
+
+def stat_logger_for(config: EngineConfig, num_engines: int = 1) -> PrometheusStatLogger:
+    """The logger of an engine of this configuration (`num_engines` replicas): its model name,
+    lengths and KV cache settings as the metrics' labels and buckets want them."""
+    cache = config.cache
+    return PrometheusStatLogger(
+        config.served_model_name,
+        max_model_len=config.scheduler.max_model_len,
+        cache_info={
+            "block_size": cache.block_size,
+            "num_gpu_blocks": cache.num_blocks,
+            "cache_dtype": cache.dtype,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "sliding_window": cache.sliding_window,
+        },
+        num_engines=num_engines,
+    )
 
 
 class _EngineMetrics:

@@ -15,6 +15,7 @@ row from the same logits and generator states). Only what cannot be pinned to on
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,23 +63,20 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         backend: ModelBackend,
+        reload_model: Callable[[], nn.Module] | None = None,
     ) -> None:
-        """`model` was built and loaded with `backend` (model.loader.load_model)."""
-        self.model = model
+        """`model` was built and loaded with `backend` (model.loader.load_model);
+        `reload_model` loads it again from its files (what wake_up needs after a sleep that
+        released the weights; None: such a sleep is refused)."""
+        self.model: nn.Module | None = model
         self.model_config = model_config
         self.backend = backend
         self.block_size = cache_config.block_size
         self.device = backend.device
         self.vocab_size = model_config.vocab_size
-        self.kv_caches = allocate_kv_cache(
-            model_config,
-            cache_config.num_blocks,
-            cache_config.block_size,
-            backend.kv_cache_dtype,
-            backend.device,
-            backend.huge_pages,
-            cache_config.layer_groups,
-        )
+        self._cache_config = cache_config
+        self._reload_model = reload_model
+        self.kv_caches = self._allocate_kv_cache()
         # KV cache groups: each attention layer reads and writes through its group's block
         # table (config.kv_cache_groups); one group: every layer through the one table.
         self.group_windows = cache_config.group_windows
@@ -100,8 +98,48 @@ class ModelRunner:
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}
 
+    def _allocate_kv_cache(self) -> list[torch.Tensor]:
+        cache = self._cache_config
+        return allocate_kv_cache(
+            self.model_config,
+            cache.num_blocks,
+            cache.block_size,
+            self.backend.kv_cache_dtype,
+            self.backend.device,
+            self.backend.huge_pages,
+            cache.layer_groups,
+        )
+
     def check_health(self) -> None:
         """Nothing can fail here between steps (the tensor-parallel executor's workers can)."""
+
+    # --- sleep mode ---------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Release memory between steps; the core has ended every request first, so no step
+        reads what is released, and none runs until wake_up has restored it. Level 1: the KV
+        cache's tensors (their contents are forgotten). The weights stay where a CPU holds
+        them, in host memory already; on another device they are released too and reloaded
+        from the model files at wake-up (octavo keeps no host copy). Level 2: the weights
+        too, on any device. The caller collects the garbage (the model may hold cycles)."""
+        if level >= 2 or self.device.type != "cpu":
+            if self._reload_model is None:
+                raise ValueError(
+                    f"sleep level {level}: this runner cannot reload its weights "
+                    "(enable_sleep_mode was off when it was built)."
+                )
+            self.model = None
+        self.kv_caches = []
+
+    def wake_up(self, tags: Iterable[str]) -> None:
+        """Restore what sleep released among `tags`: "weights" (loaded again from the model
+        files, the same as at start-up) and "kv_cache" (a zeroed pool of the same shape)."""
+        tags = set(tags)
+        if "weights" in tags and self.model is None:
+            assert self._reload_model is not None
+            self.model = self._reload_model()
+        if "kv_cache" in tags and not self.kv_caches:
+            self.kv_caches = self._allocate_kv_cache()
 
     def shutdown(self) -> None:
         """Nothing to stop in process (the tensor-parallel executor stops its workers)."""
@@ -118,6 +156,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         if inputs is None:  # everything scheduled failed to join the batch
             return ModelRunnerOutput([], [], [], failed)
+        assert self.model is not None and self.kv_caches, "a step while asleep"
         hidden_states = self.model(
             inputs.input_ids,
             inputs.positions,

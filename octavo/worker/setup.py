@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from octavo.config import GENERATION_CONFIG_SOURCES, EngineArgs, EngineConfig, PlatformInfo
 from octavo.model.backends import ModelBackend, select_backend
@@ -132,7 +133,16 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         TORCH_DTYPES[config.weight_dtype] if config.weight_dtype else None,
     )
     model, model_config = load_model(config.model, backend, config.quantization, tp)
+
+    def reload_model() -> nn.Module:
+        return load_model(config.model, backend, config.quantization, tp)[0]
+
     runner = ModelRunner(
-        model, rank_model_config(model_config, tp.size), config.cache, config.scheduler, backend
+        model,
+        rank_model_config(model_config, tp.size),
+        config.cache,
+        config.scheduler,
+        backend,
+        reload_model if config.enable_sleep_mode else None,
     )
     return runner, backend

@@ -10,6 +10,8 @@ utility calls run in the core process between its steps).
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +46,8 @@ class RunningServer:
     api_key: str
     async_engine: AsyncMPEngine
     app: Any
+    # Where the engine core's profiler writes its traces.
+    trace_dir: str = ""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -84,6 +88,7 @@ class RunningServer:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
+    trace_dir = tempfile.mkdtemp(prefix="octavo-traces-")
     async_engine = AsyncMPEngine.from_engine_args(
         # 16-token blocks (the CPU default is 128): short prompts then hit the prefix cache.
         EngineArgs(
@@ -94,6 +99,8 @@ def server() -> Iterator[RunningServer]:
             block_size=16,
             seed=0,
             packed_max_rows=PACKED_MAX_ROWS,
+            enable_sleep_mode=True,
+            profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir},
         )
     )
     config = ServerConfig(
@@ -109,9 +116,12 @@ def server() -> Iterator[RunningServer]:
     app = make_server_app(async_engine, config)
     uv = make_server(app, async_engine, config, log_level="warning")
     thread = start_in_thread(uv, "test-server", 60)
-    yield RunningServer(f"http://127.0.0.1:{config.port}", API_KEY, app.state.async_engine, app)
+    yield RunningServer(
+        f"http://127.0.0.1:{config.port}", API_KEY, app.state.async_engine, app, trace_dir
+    )
     uv.should_exit = True
     thread.join(30)
+    shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

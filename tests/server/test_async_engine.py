@@ -33,6 +33,8 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_steps = 0
         self.callers: set[str] = set()
+        # As LLMEngine asleep: a step reports aborts only.
+        self.sleeping = False
 
     def add_request(
         self, request_id, prompt, params, output_kind, arrival_time, priority=0
@@ -51,6 +53,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.remaining or self.to_report_aborted)
 
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
     def step(self) -> list[RequestOutput]:
         self.callers.add(threading.current_thread().name)
         self.num_steps += 1
@@ -60,6 +65,8 @@ class FakeEngine:
             raise RuntimeError("boom")
         outputs = [_output(r, "", [], "abort") for r in self.to_report_aborted]
         self.to_report_aborted = []
+        if self.sleeping:
+            return outputs
         for request_id in list(self.remaining):
             self.remaining[request_id] -= 1
             done = self.remaining[request_id] == 0
@@ -129,6 +136,24 @@ def test_the_thread_sleeps_when_idle() -> None:
 
     (before, after), _ = _run(body)
     assert before == after == 2
+
+
+def test_an_engine_asleep_is_not_stepped_and_runs_what_waited_once_awake() -> None:
+    """Regression guard: requests added while the engine sleeps are unfinished, yet stepping
+    cannot advance them; the loop must wait for the next command instead of spinning."""
+
+    async def body(engine, fake):
+        await engine.call(lambda e: setattr(e, "sleeping", True))
+        task = asyncio.create_task(_collect(engine, [_request("a", 1)]))
+        await asyncio.sleep(0.3)
+        steps_asleep = fake.num_steps
+        assert not task.done()
+        await engine.call(lambda e: setattr(e, "sleeping", False))
+        return steps_asleep, await task
+
+    (steps_asleep, outputs), _ = _run(body)
+    assert steps_asleep <= 1
+    assert outputs == [("a", "t", "length")]
 
 
 def test_closing_the_stream_aborts_the_request() -> None:

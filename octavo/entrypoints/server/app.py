@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
 Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, and, with dev endpoints
-enabled, `/reset_prefix_cache`), the API-key check (every path but `/health`), opt-in CORS, the
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`; with dev endpoints enabled,
+`/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a profiler configured,
+`/start_profile`, `/stop_profile`), the API-key check (every path but `/health`), opt-in CORS, the
 connection limits (header and body read timeouts, keep-alive, a connection limit), and the
 process lifecycle: SIGTERM stops accepting connections, lets in-flight responses finish, and
 shortly before `shutdown_timeout_s` ends the streams still running with an error event and
@@ -37,6 +38,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 import octavo
 from octavo.config import EngineArgs
 from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.core import SLEEP_LEVELS, check_sleep, check_wake_up_tags
 from octavo.engine.core_client import AsyncMPEngine
 from octavo.engine.llm_engine import LLMEngine
 from octavo.entrypoints.server.chat_render import chat_render_from
@@ -58,7 +60,7 @@ from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
-from octavo.metrics.prometheus import PrometheusStatLogger
+from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class ServerConfig:
     limit_concurrency: int | None = None
     # Output streams (prompts x n) one request may ask for.
     max_sequences_per_request: int = 256
-    # /reset_prefix_cache and the like (vLLM's dev mode).
+    # /reset_prefix_cache, /sleep, /wake_up, /is_sleeping (vLLM's VLLM_SERVER_DEV_MODE=1).
     enable_dev_endpoints: bool = False
     # Threads that decode, check, render and tokenize request bodies.
     num_prepare_threads: int = 2
@@ -375,7 +377,59 @@ def build_app(
             reset = await async_engine.call(lambda e: e.reset_prefix_cache())
             return JSONResponse({"success": bool(reset)})
 
+        _add_sleep_routes(app, async_engine)
+
+    if engine.config.profiler_config:
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await async_engine.call(lambda e: e.start_profile())
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            await async_engine.call(lambda e: e.stop_profile())
+            return Response(status_code=200)
+
     return app
+
+
+def _add_sleep_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
+    """vLLM's dev-mode sleep endpoints: POST /sleep?level=N&mode=abort, POST
+    /wake_up?tags=weights&tags=kv_cache (none: all), GET /is_sleeping. Requests that arrive
+    while the engine sleeps wait for its wake-up."""
+
+    @app.post("/sleep")
+    async def sleep(raw_request: Request) -> Response:
+        level_text = raw_request.query_params.get("level", "1")
+        mode = raw_request.query_params.get("mode", "abort")
+        try:
+            level = int(level_text)
+        except ValueError:
+            raise bad_request(f"level must be 0, 1 or 2; got {level_text!r}.", "level") from None
+        enabled = async_engine.engine.config.enable_sleep_mode
+        try:
+            check_sleep(level, mode, enabled)
+        except ValueError as exc:
+            param = "mode" if enabled and level in SLEEP_LEVELS else "level"
+            raise bad_request(str(exc), param) from None
+        await async_engine.call(lambda e: e.sleep(level, mode))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw_request: Request) -> Response:
+        tags = raw_request.query_params.getlist("tags") or None
+        try:
+            check_wake_up_tags(tags)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tags") from None
+        await async_engine.call(lambda e: e.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        asleep = await async_engine.call(lambda e: e.is_sleeping())
+        return JSONResponse({"is_sleeping": bool(asleep)})
 
 
 def _top_level_keys(body: bytes) -> set[str]:
@@ -409,20 +463,7 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
     on its thread)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     engine = async_engine.engine
-    engine_config = engine.config
-    cache = engine_config.cache
-    stat_logger = PrometheusStatLogger(
-        engine_config.served_model_name,
-        max_model_len=engine_config.scheduler.max_model_len,
-        cache_info={
-            "block_size": cache.block_size,
-            "num_gpu_blocks": cache.num_blocks,
-            "cache_dtype": cache.dtype,
-            "enable_prefix_caching": cache.enable_prefix_caching,
-            "sliding_window": cache.sliding_window,
-        },
-        num_engines=engine.num_replicas,
-    )
+    stat_logger = stat_logger_for(engine.config, engine.num_replicas)
     engine.add_stat_logger(stat_logger)
     return build_app(async_engine, config, stat_logger)
 
