@@ -15,7 +15,7 @@ from octavo.entrypoints.server.tool_parsers.json_stream import skip_space
 from octavo.entrypoints.server.tool_parsers.section import (
     PartialCall,
     SectionToolParser,
-    read_json_calls,
+    read_call_array,
 )
 
 MARKERS = ("<|tool_call|>", "<tool_call>")
@@ -40,13 +40,7 @@ class GraniteToolParser(SectionToolParser):
     def read_calls(self, section: str, final: bool) -> list[PartialCall] | None:
         after = _after_marker(section, skip_space(section, 0))
         assert after is not None
-        read = read_json_calls(section, after, final, ("arguments",))
-        if read is None:
-            return None
-        calls, end = read
-        if end is not None and section[end:].strip():
-            return None  # text after the array: not the format
-        return calls
+        return read_call_array(section, after, final)
 
 
 def _after_marker(text: str, pos: int) -> int | None:

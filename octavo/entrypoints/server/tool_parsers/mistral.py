@@ -23,7 +23,7 @@ from octavo.entrypoints.server.tool_parsers.section import (
     PartialCall,
     SectionToolParser,
     held_back,
-    read_json_calls,
+    read_call_array,
 )
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -54,13 +54,7 @@ class MistralToolParser(SectionToolParser):
         if body == len(section) and not final:
             return []
         if section.startswith("[", body) and not section.startswith("[ARGS]", body):
-            read = read_json_calls(section, body, final, ("arguments",))
-            if read is None:
-                return None
-            calls, end = read
-            if end is not None and section[end:].strip():
-                return None  # text after the array: not the format
-            return calls
+            return read_call_array(section, body, final)
         calls = []
         pieces = section.split(TOOL_CALLS)[1:]
         for number, piece in enumerate(pieces):

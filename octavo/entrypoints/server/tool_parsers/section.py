@@ -14,7 +14,8 @@ the section grows is always a prefix of the text it reports once the output is c
 format breaks it only on output that is not a well-formed call; a streamed call that turns
 out malformed cannot be recalled and ends as it was sent (logged), as in hermes.py.
 
-Also owns the JSON readers that several formats share (`read_json_call`, `read_json_calls`).
+Also owns the JSON readers that several formats share (`read_json_call`, `read_json_calls`,
+`read_call_array`).
 
 Must not: know one format's markup (the format modules do) or HTTP shapes.
 """
@@ -249,3 +250,15 @@ def read_json_calls(
         pos = skip_space(text, read.end)
         expect_item = False
     return None if final else (calls, None)
+
+
+def read_call_array(text: str, pos: int, final: bool) -> list[PartialCall] | None:
+    """The calls of a JSON array of {"name", "arguments"} objects at `pos` that ends the text
+    (read_json_calls); None where it is not one, or text follows its closing bracket."""
+    read = read_json_calls(text, pos, final, ("arguments",))
+    if read is None:
+        return None
+    calls, end = read
+    if end is not None and text[end:].strip():
+        return None  # text after the array: not the format
+    return calls
