@@ -878,6 +878,11 @@ class EngineArgs:
         return self.max_model_len
 
 
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the settings of the async engine (AsyncLLMEngine.from_engine_args):
+    EngineArgs' fields, meanings and defaults."""
+
+
 def resolve_dtype(
     dtype: str, platform: PlatformInfo, weight_block_types: tuple[str, ...] = ()
 ) -> tuple[str, str | None, str]:

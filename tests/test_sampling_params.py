@@ -66,3 +66,13 @@ def test_clone_is_independent() -> None:
     q.stop.append("b")
     q.stop_token_ids.append(4)
     assert p.stop == ["a"] and p.stop_token_ids == [3] and q.seed == 1
+
+
+def test_output_kind_is_vllms() -> None:
+    """Cumulative by default; an int (as it crosses a process boundary) becomes the enum."""
+    from octavo.core.sampling_params import RequestOutputKind
+
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")

@@ -51,7 +51,7 @@ def _batch_sizes(text: str) -> list[int]:
 
 def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
     from octavo.bench.throughput import random_prompts
-    from octavo.core.sampling_params import SamplingParams
+    from octavo.core.sampling_params import RequestOutputKind, SamplingParams
     from octavo.entrypoints.llm import LLM
 
     sizes = _batch_sizes(ns.batch_sizes)
@@ -82,7 +82,7 @@ def run_decode_bench(ns: argparse.Namespace, args: EngineArgs) -> int:
         )
         request_ids = [f"decode-{size}-{i}" for i in range(size)]
         for request_id, prompt in zip(request_ids, prompts):
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
         # Prefill (in as many steps as the token budget needs), then warm-up decodes.
         scheduler = engine.scheduler
         while scheduler.waiting or any(

@@ -7,6 +7,7 @@ a request is ever admitted.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import struct
@@ -21,6 +22,17 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
 # temperature overflows, and the result would be argmax anyway.
 _GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a streaming caller carries (vLLM's name and values)."""
+
+    # Every completion, with all text and token ids so far.
+    CUMULATIVE = 0
+    # Only the completions that changed, with only what is new since their last output.
+    DELTA = 1
+    # Nothing until every completion has finished, then everything once.
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # How an engine that streams (AsyncLLMEngine, LLMEngine.step) reports this request; the
+    # offline LLM and the server choose their own.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -117,6 +132,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
+        # An int that crossed a process boundary becomes the enum again.
+        self.output_kind = RequestOutputKind(self.output_kind)
         if self.temperature < _GREEDY_TEMPERATURE_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off.
             self.temperature = 0.0
@@ -166,6 +183,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        if self.output_kind not in tuple(RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not isinstance(token_id, int) or token_id < 0:

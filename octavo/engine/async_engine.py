@@ -69,6 +69,8 @@ class EngineRequest:
     arrival_time: float
     # vLLM's: lower runs earlier under the priority scheduling policy.
     priority: int = 0
+    # What its outputs carry; the server streams deltas.
+    output_kind: OutputKind = OutputKind.DELTA
 
 
 class _OutputStream:
@@ -150,8 +152,10 @@ class AsyncEngine:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start stepping; outputs are delivered on `loop` (default: the running one)."""
-        if self._loop is not None:
+        """Start stepping; outputs are delivered on `loop` (default: the running one). Once
+        started, only a loop that has been closed is replaced (nobody listens there any more):
+        a script may run the engine under one `asyncio.run` after another."""
+        if self._loop is not None and not self._loop.is_closed():
             return
         with self._cond:
             self._loop = loop or asyncio.get_running_loop()
@@ -196,9 +200,9 @@ class AsyncEngine:
     # --- the asyncio side ---------------------------------------------------------------------
 
     async def generate(self, requests: Sequence[EngineRequest]) -> AsyncIterator[RequestOutput]:
-        """Run `requests` and yield their DELTA RequestOutputs as steps produce them, until all
-        have finished. Closing the iterator early (a disconnect, a cancelled task) aborts the
-        unfinished ones within one step.
+        """Run `requests` and yield their RequestOutputs (each request's `output_kind`) as
+        steps produce them, until all have finished. Closing the iterator early (a
+        disconnect, a cancelled task) aborts the unfinished ones within one step.
 
         Raises ValueError if the engine rejected a request (nothing of the call runs then),
         EngineRequestError if one of them ended with FinishReason.ERROR (the rest of the call is
@@ -327,7 +331,7 @@ class AsyncEngine:
                     request.request_id,
                     request.prompt,
                     request.sampling_params,
-                    OutputKind.DELTA,
+                    request.output_kind,
                     request.arrival_time,
                     request.priority,
                 )

@@ -61,7 +61,7 @@ from octavo.engine.core import EngineCoreRequest, check_sleep
 from octavo.engine.core_proc import CoreInfo, run_engine_core
 from octavo.engine.input_processor import InputProcessor
 from octavo.engine.llm_engine import add_finished_requests, fan_out, record_stats
-from octavo.engine.output_processor import OutputKind, OutputProcessor
+from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import SchedulerStats, StatLogger
@@ -496,7 +496,7 @@ class AsyncMPEngine(AsyncEngine):
                         request.request_id,
                         request.prompt,
                         request.sampling_params,
-                        OutputKind.DELTA,
+                        request.output_kind,
                         request.arrival_time,
                         request.priority,
                     )

@@ -16,10 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from octavo.core.request import ResolvedParams
 from octavo.core.sampling_params import SamplingParams
+from octavo.engine.inputs import PromptType
 from octavo.structured_output import StructuredOutputManager
-
-# What `generate` accepts as one prompt: text, token ids, or vLLM's dict forms.
-PromptType = str | list[int] | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,9 @@ class LLMEngine:
         --override-generation-config on top: config.sampling_defaults)."""
         return SamplingParams(**self.config.sampling_defaults)
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 
@@ -117,20 +120,22 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType | ProcessedPrompt,
         sampling_params: SamplingParams,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        output_kind: OutputKind | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Check and queue one request. `priority` is vLLM's (lower runs earlier; anything but
-        0 needs the priority scheduling policy). Raises ValueError (naming the parameter) on
-        bad input; nothing is queued then."""
+        """Check and queue one request. `output_kind`: what `step()` reports of it (None:
+        `sampling_params.output_kind`, vLLM's rule: every step's cumulative output unless the
+        params say otherwise). `priority` is vLLM's (lower runs earlier; anything but 0 needs
+        the priority scheduling policy). Raises ValueError (naming the parameter) on bad
+        input; nothing is queued then."""
         requests = fan_out(
             self.input_processor,
             self.output_processor,
             request_id,
             prompt,
             sampling_params,
-            output_kind,
+            sampling_params.output_kind if output_kind is None else output_kind,
             arrival_time,
             priority,
         )

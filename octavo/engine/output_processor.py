@@ -10,14 +10,13 @@ for a request after its final RequestOutput was returned.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import FinishReason
-from octavo.core.sampling_params import SamplingParams
+from octavo.core.sampling_params import RequestOutputKind, SamplingParams
 from octavo.engine.detokenizer import Detokenizer, get_backend_tokenizer
 from octavo.engine.outputs import (
     CompletionOutput,
@@ -26,16 +25,9 @@ from octavo.engine.outputs import (
     to_sample_logprobs,
 )
 
-
-class OutputKind(enum.IntEnum):
-    """What each RequestOutput carries (vLLM's RequestOutputKind)."""
-
-    # Every completion, with all text and token ids so far.
-    CUMULATIVE = 0
-    # Only the completions that changed, with only what is new since their last output.
-    DELTA = 1
-    # Nothing until every completion has finished, then everything once.
-    FINAL_ONLY = 2
+# What each RequestOutput carries: vLLM's RequestOutputKind, under the name this package has
+# always used for it.
+OutputKind = RequestOutputKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,5 @@
+"""vLLM's `vllm.outputs` path: what `generate` returns (octavo.engine.outputs)."""
+
+from octavo.engine.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["CompletionOutput", "RequestOutput"]

@@ -1,0 +1,5 @@
+"""vLLM's `vllm.sampling_params` path: the per-request parameters (octavo.core.sampling_params)."""
+
+from octavo.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
