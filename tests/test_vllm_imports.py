@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from .model.test_families_engine import _save_tokenizer
 from .model.tiny import save_tiny_checkpoint
 
@@ -116,3 +118,8 @@ def test_a_vllm_style_script_agrees_with_the_plain_api(tmp_path):
         for o in llm.generate(["t5 t33 t90", [200, 3, 45]], params, use_tqdm=False)
     ]
     assert plain[0] and result == {"offline": plain, "engine": plain, "async": plain}
+    # A prompt dict key octavo does not support is refused by name, not dropped.
+    image_prompt = {"prompt": "t5 t33", "multi_modal_data": {"image": None}}
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):
+        llm.generate(image_prompt, params, use_tqdm=False)
+    assert llm.generate("t5 t33 t90", params, use_tqdm=False)[0].outputs[0].text == plain[0]

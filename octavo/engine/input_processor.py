@@ -19,6 +19,9 @@ from octavo.core.sampling_params import SamplingParams
 from octavo.engine.inputs import PromptType
 from octavo.structured_output import StructuredOutputManager
 
+# The keys of a prompt dict (vLLM's TextPrompt and TokensPrompt).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+
 
 @dataclass(frozen=True, slots=True)
 class ProcessedPrompt:
@@ -58,6 +61,14 @@ class InputProcessor:
         self, prompt: PromptType, add_special_tokens: bool = True
     ) -> ProcessedPrompt:
         if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                # vLLM's other prompt keys (multi_modal_data, prompt_embeds, cache_salt, ...)
+                # are refused, never dropped.
+                raise ValueError(
+                    f"prompt key {unknown[0]!r} is not supported: a prompt dict holds "
+                    "'prompt' or 'prompt_token_ids'."
+                )
             if "prompt_token_ids" in prompt:
                 return self._check_token_ids(None, list(prompt["prompt_token_ids"]))
             if "prompt" in prompt:
