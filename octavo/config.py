@@ -48,6 +48,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names for how the ranks of a tensor-parallel model run.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 DEFAULT_MAX_LOGPROBS = 20
+# vLLM's --logprobs-mode values (the sampler's LOGPROBS_MODES, which says what each means).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --profiler-config (vLLM's ProfilerConfig): the keys octavo takes, with vLLM's defaults. Only
 # the torch profiler exists here; VLLM_TORCH_PROFILER_DIR (vLLM's older switch) is read where
 # the flag is not given.
@@ -229,6 +231,8 @@ class EngineConfig:
     # The torch profiler's settings (PROFILER_CONFIG_DEFAULTS' keys); empty: no profiler, and
     # start_profile() is refused.
     profiler_config: dict[str, Any] = field(default_factory=dict)
+    # LOGPROBS_MODES: which numbers the sampler reports as logprobs (vLLM's --logprobs-mode).
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def tokenizer_path(self) -> str:
@@ -447,6 +451,14 @@ class EngineArgs:
         DEFAULT_MAX_LOGPROBS,
         "most logprobs (top_logprobs) a request may ask for per position; -1: the vocabulary",
     )
+    logprobs_mode: str = setting(
+        "raw_logprobs",
+        "what the returned logprobs are: raw_logprobs (log_softmax of the model's logits), "
+        "raw_logits (those logits), processed_logprobs / processed_logits (the same of the "
+        "logits the token was drawn from: after logit bias, min_tokens, penalties, temperature, "
+        "min_p, top_k and top_p)",
+        choices=LOGPROBS_MODES,
+    )
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
     admission: str = setting(
         "current",
@@ -634,6 +646,11 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.packed_max_rows is not None and self.packed_max_rows < 0:
             raise ValueError(f"packed_max_rows must be >= 0, got {self.packed_max_rows}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got "
+                f"{self.logprobs_mode!r}."
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
         if self.max_num_seqs < 1:
@@ -755,6 +772,7 @@ class EngineArgs:
             served_model_name=names[0],
             served_model_names=tuple(names),
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             dtype=dtype,
             dtype_reason=dtype_reason,
             weight_dtype=weight_dtype,

@@ -211,10 +211,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "enforce_eager": _no("octavo has no CUDA graphs or compiled graphs: it always runs eagerly"),
     "enable_return_routed_experts": _refused("returning routed experts: " + NOT_PLANNED),
     "return_sampling_mask": _refused("returning the sampling mask: " + NOT_PLANNED),
-    "logprobs_mode": _only(
-        _is_in("raw_logprobs"),
-        "logprobs are those of the distribution sampled from (raw_logprobs): " + DROP_IN,
-    ),
     "use_fp64_gumbel": _no("octavo's sampler draws with its own float32 inverse-CDF kernel"),
     "enable_trace_replay": _no(METRICS),
     "disable_sliding_window": _refused(
