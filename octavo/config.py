@@ -152,11 +152,16 @@ class SchedulerConfig:
     # SCHEDULING_POLICIES: fcfs, or priority (the waiting queue by (priority, arrival), the
     # victim the running request with the largest).
     scheduling_policy: str = "fcfs"
+    # vLLM's bounds on the serving frontend's queue (engine/queue_limits.py): requests in
+    # flight, and prompt tokens not yet prefilled; None: no bound.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
         _check_scheduling(
             self.admission,
             self.watermark,
@@ -480,6 +485,20 @@ class EngineArgs:
         "important, latest one)",
         choices=SCHEDULING_POLICIES,
     )
+    max_num_queued_reqs: int | None = setting(
+        None,
+        "octavo serve: answer 503 at once to a request that would make more than N requests "
+        "in flight, waiting or running (n > 1 counts n) (default: no bound)",
+        metavar="N",
+        parse=human_readable_int,
+    )
+    max_num_queued_tokens: int | None = setting(
+        None,
+        "octavo serve: answer 503 at once to requests while the prompts not yet prefilled hold "
+        "N tokens or more (default: no bound)",
+        metavar="N",
+        parse=human_readable_int,
+    )
     request_log: str | None = setting(
         None,
         "append one JSON line per finished request (lengths, finish reason, TTFT, largest "
@@ -646,6 +665,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.packed_max_rows is not None and self.packed_max_rows < 0:
             raise ValueError(f"packed_max_rows must be >= 0, got {self.packed_max_rows}.")
+        _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got "
@@ -796,6 +816,8 @@ class EngineArgs:
                 watermark=self.watermark,
                 preempt_victim=self.preempt_victim,
                 scheduling_policy=self.scheduling_policy,
+                max_num_queued_reqs=self.max_num_queued_reqs,
+                max_num_queued_tokens=self.max_num_queued_tokens,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,
@@ -1072,6 +1094,12 @@ def _victim_rules() -> dict[str, Any]:
     from octavo.core.admission import VICTIM_RULES
 
     return VICTIM_RULES
+
+
+def _check_queue_bounds(*bounds: int | None) -> None:
+    for name, bound in zip(("max_num_queued_reqs", "max_num_queued_tokens"), bounds, strict=True):
+        if bound is not None and bound < 1:
+            raise ValueError(f"{name} must be >= 1 (or unset: no bound), got {bound}.")
 
 
 def _check_scheduling(

@@ -175,8 +175,6 @@ DISPOSITIONS: dict[str, Disposition] = {
         "octavo's token budget per step is --max-num-batched-tokens"
     ),
     "max_num_active_seqs": _refused("octavo's limit on running requests is --max-num-seqs"),
-    "max_num_queued_reqs": _refused("a bound on waiting requests: " + DROP_IN),
-    "max_num_queued_tokens": _refused("a bound on waiting tokens: " + DROP_IN),
     "long_prefill_token_threshold_adaptive": _no(
         "octavo's --long-prefill-token-threshold is fixed"
     ),
