@@ -337,7 +337,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "dp_supervisor_probe_timeout_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_failure_threshold": _no(ONE_PROCESS),
     "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
-    "enable_ssl_refresh": _refused("reloading HTTPS certificates while serving: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),
     "h11_max_incomplete_event_size": _no(
         "octavo bounds request heads by time (--header-read-timeout) and bodies by "
