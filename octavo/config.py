@@ -48,6 +48,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names for how the ranks of a tensor-parallel model run.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 DEFAULT_MAX_LOGPROBS = 20
+# vLLM's --logprobs-mode values (the sampler's LOGPROBS_MODES, which says what each means).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --profiler-config (vLLM's ProfilerConfig): the keys octavo takes, with vLLM's defaults. Only
 # the torch profiler exists here; VLLM_TORCH_PROFILER_DIR (vLLM's older switch) is read where
 # the flag is not given.
@@ -150,11 +152,16 @@ class SchedulerConfig:
     # SCHEDULING_POLICIES: fcfs, or priority (the waiting queue by (priority, arrival), the
     # victim the running request with the largest).
     scheduling_policy: str = "fcfs"
+    # vLLM's bounds on the serving frontend's queue (engine/queue_limits.py): requests in
+    # flight, and prompt tokens not yet prefilled; None: no bound.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
         _check_scheduling(
             self.admission,
             self.watermark,
@@ -229,6 +236,8 @@ class EngineConfig:
     # The torch profiler's settings (PROFILER_CONFIG_DEFAULTS' keys); empty: no profiler, and
     # start_profile() is refused.
     profiler_config: dict[str, Any] = field(default_factory=dict)
+    # LOGPROBS_MODES: which numbers the sampler reports as logprobs (vLLM's --logprobs-mode).
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def tokenizer_path(self) -> str:
@@ -447,6 +456,14 @@ class EngineArgs:
         DEFAULT_MAX_LOGPROBS,
         "most logprobs (top_logprobs) a request may ask for per position; -1: the vocabulary",
     )
+    logprobs_mode: str = setting(
+        "raw_logprobs",
+        "what the returned logprobs are: raw_logprobs (log_softmax of the model's logits), "
+        "raw_logits (those logits), processed_logprobs / processed_logits (the same of the "
+        "logits the token was drawn from: after logit bias, min_tokens, penalties, temperature, "
+        "min_p, top_k and top_p)",
+        choices=LOGPROBS_MODES,
+    )
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
     admission: str = setting(
         "current",
@@ -467,6 +484,20 @@ class EngineArgs:
         "lower first, then arrival; a running request that needs a block evicts the least "
         "important, latest one)",
         choices=SCHEDULING_POLICIES,
+    )
+    max_num_queued_reqs: int | None = setting(
+        None,
+        "octavo serve: answer 503 at once to a request that would make more than N requests "
+        "in flight, waiting or running (n > 1 counts n) (default: no bound)",
+        metavar="N",
+        parse=human_readable_int,
+    )
+    max_num_queued_tokens: int | None = setting(
+        None,
+        "octavo serve: answer 503 at once to requests while the prompts not yet prefilled hold "
+        "N tokens or more (default: no bound)",
+        metavar="N",
+        parse=human_readable_int,
     )
     request_log: str | None = setting(
         None,
@@ -634,6 +665,12 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.packed_max_rows is not None and self.packed_max_rows < 0:
             raise ValueError(f"packed_max_rows must be >= 0, got {self.packed_max_rows}.")
+        _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got "
+                f"{self.logprobs_mode!r}."
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
         if self.max_num_seqs < 1:
@@ -755,6 +792,7 @@ class EngineArgs:
             served_model_name=names[0],
             served_model_names=tuple(names),
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             dtype=dtype,
             dtype_reason=dtype_reason,
             weight_dtype=weight_dtype,
@@ -778,6 +816,8 @@ class EngineArgs:
                 watermark=self.watermark,
                 preempt_victim=self.preempt_victim,
                 scheduling_policy=self.scheduling_policy,
+                max_num_queued_reqs=self.max_num_queued_reqs,
+                max_num_queued_tokens=self.max_num_queued_tokens,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,
@@ -1059,6 +1099,12 @@ def _victim_rules() -> dict[str, Any]:
     from octavo.core.admission import VICTIM_RULES
 
     return VICTIM_RULES
+
+
+def _check_queue_bounds(*bounds: int | None) -> None:
+    for name, bound in zip(("max_num_queued_reqs", "max_num_queued_tokens"), bounds, strict=True):
+        if bound is not None and bound < 1:
+            raise ValueError(f"{name} must be >= 1 (or unset: no bound), got {bound}.")
 
 
 def _check_scheduling(

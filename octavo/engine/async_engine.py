@@ -36,6 +36,7 @@ from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import RequestOutput
+from octavo.engine.queue_limits import QueueLimits
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ class AsyncEngine:
         # Engine-thread state: request id -> the stream its outputs go to.
         self._streams: dict[str, _OutputStream] = {}
         self._num_steps = 0
+        # Event-loop state: --max-num-queued-reqs / --max-num-queued-tokens and their tallies.
+        scheduler = engine.config.scheduler
+        self.queue_limits = QueueLimits(
+            scheduler.max_num_queued_reqs, scheduler.max_num_queued_tokens
+        )
 
     @classmethod
     def from_factory(cls, make_engine: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -204,16 +210,22 @@ class AsyncEngine:
         steps produce them, until all have finished. Closing the iterator early (a
         disconnect, a cancelled task) aborts the unfinished ones within one step.
 
-        Raises ValueError if the engine rejected a request (nothing of the call runs then),
+        Raises QueueOverflowError if the queue bounds (`queue_limits`) leave no room for the
+        call, ValueError if the engine rejected a request (nothing of the call runs then),
         EngineRequestError if one of them ended with FinishReason.ERROR (the rest of the call is
         aborted), EngineStepError if a step failed, EngineDeadError if the engine is stopped.
         """
         self._check_alive()
+        # Per request: the slots it holds in the queue bounds (n), and its prompt tokens until
+        # its first output says the prompt is done.
+        num_slots = {r.request_id: r.sampling_params.n for r in requests}
+        prefilling = {r.request_id: len(r.prompt.prompt_token_ids) for r in requests}
+        self.queue_limits.admit(sum(num_slots.values()), sum(prefilling.values()))
         stream = _OutputStream(len(requests))
         request_ids = [r.request_id for r in requests]
-        self._submit(_Add(requests, stream))
         finished: set[str] = set()
         try:
+            self._submit(_Add(requests, stream))
             while len(finished) < len(request_ids):
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -223,13 +235,24 @@ class AsyncEngine:
                         raise EngineRequestError(
                             f"The engine could not run this request: {completion.error}"
                         )
+                if item.request_id in prefilling:
+                    self.queue_limits.prefilled(prefilling.pop(item.request_id))
                 if item.finished:
                     finished.add(item.request_id)
+                    self.queue_limits.finished(num_slots.pop(item.request_id))
                 yield item
         finally:
+            self.queue_limits.prefilled(sum(prefilling.values()))
+            self.queue_limits.finished(sum(num_slots.values()))
             unfinished = [r for r in request_ids if r not in finished]
             if unfinished:
                 self.abort(unfinished)
+
+    def check_admission(self, requests: Sequence[EngineRequest]) -> None:
+        """Raise QueueOverflowError if `generate(requests)` would be rejected now by the queue
+        bounds (a server checks before it starts a stream, so that the rejection is an HTTP
+        status, not an error event; generate checks again, and that one holds)."""
+        self.queue_limits.check(sum(r.sampling_params.n for r in requests))
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Thread-safe; takes effect at the top of the next engine iteration."""

@@ -98,6 +98,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers allowed")
     group.add_argument(
+        "--enable-ssl-refresh",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="load the --ssl-keyfile, --ssl-certfile and --ssl-ca-certs files again when they "
+        "change while serving (checked every second); new connections get the new certificate",
+    )
+    group.add_argument(
         "--response-role",
         default="assistant",
         help="the role of chat completion responses (default: assistant)",
@@ -270,6 +277,7 @@ def server_config_from(ns: argparse.Namespace):
         ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs,
         ssl_ciphers=ns.ssl_ciphers,
+        enable_ssl_refresh=ns.enable_ssl_refresh,
         disable_fastapi_docs=ns.disable_fastapi_docs,
         response_role=ns.response_role,
         enable_force_include_usage=ns.enable_force_include_usage,

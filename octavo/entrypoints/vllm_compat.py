@@ -175,8 +175,6 @@ DISPOSITIONS: dict[str, Disposition] = {
         "octavo's token budget per step is --max-num-batched-tokens"
     ),
     "max_num_active_seqs": _refused("octavo's limit on running requests is --max-num-seqs"),
-    "max_num_queued_reqs": _refused("a bound on waiting requests: " + DROP_IN),
-    "max_num_queued_tokens": _refused("a bound on waiting tokens: " + DROP_IN),
     "long_prefill_token_threshold_adaptive": _no(
         "octavo's --long-prefill-token-threshold is fixed"
     ),
@@ -211,10 +209,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "enforce_eager": _no("octavo has no CUDA graphs or compiled graphs: it always runs eagerly"),
     "enable_return_routed_experts": _refused("returning routed experts: " + NOT_PLANNED),
     "return_sampling_mask": _refused("returning the sampling mask: " + NOT_PLANNED),
-    "logprobs_mode": _only(
-        _is_in("raw_logprobs"),
-        "logprobs are those of the distribution sampled from (raw_logprobs): " + DROP_IN,
-    ),
     "use_fp64_gumbel": _no("octavo's sampler draws with its own float32 inverse-CDF kernel"),
     "enable_trace_replay": _no(METRICS),
     "disable_sliding_window": _refused(
@@ -343,7 +337,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "dp_supervisor_probe_timeout_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_failure_threshold": _no(ONE_PROCESS),
     "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
-    "enable_ssl_refresh": _refused("reloading HTTPS certificates while serving: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),
     "h11_max_incomplete_event_size": _no(
         "octavo bounds request heads by time (--header-read-timeout) and bodies by "

@@ -30,7 +30,12 @@ from octavo.sample.ops.topk_topp import (
     random_sample,
 )
 
-__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput"]
+__all__ = ["LOGPROBS_MODES", "LogprobsTensors", "Sampler", "SamplerOutput"]
+
+# vLLM's --logprobs-mode values: which numbers the reported "logprobs" are. raw_*: of the
+# model's logits as they come (step 1 below); processed_*: of the logits the token was drawn
+# from (after steps 2-9); *_logprobs: log_softmax of those, *_logits: the logits themselves.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +49,9 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Samples one token per row of (num_reqs, vocab) float32 logits. Steps, in order:
 
-    1) Logprobs, if any row asked: log_softmax of the raw logits, before anything below touches
-       them (vLLM's default "raw_logprobs").
+    1) Logprobs, if any row asked and the mode is raw: log_softmax of the raw logits (vLLM's
+       default "raw_logprobs"), or a copy of them ("raw_logits"), before anything below
+       touches them.
     2) Logit bias: each row's {token_id: bias} is added.
     3) min_tokens: a row still below its min_tokens gets -inf on its EOS and stop ids.
     4) Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and
@@ -59,20 +65,34 @@ class Sampler(nn.Module):
         `draw` function (the CPU kernel the model runner passes in), the logits and uniforms
         go to it instead, which does the softmax and the search in one pass.
     11) Greedy and random rows are combined with torch.where on temperature == 0.
-    12) Logprobs: the top max_num_logprobs of the raw distribution, with the sampled token's
-        logprob and 1-based rank in front.
+    12) Logprobs: the top max_num_logprobs of what step 1 kept, or, in a processed mode, of the
+        logits as the draw saw them (after step 9; after step 4 when every row is greedy,
+        whose filters are off: SamplingParams turns them off for a greedy request), with the
+        sampled token's value and 1-based rank in front. Tokens the filters dropped are -inf.
 
     Steps 2-4 can change the argmax, so they come before the greedy pick; 6-9 cannot, so greedy
     rows skip them. `logits` is modified in place. Structured-output rows arrive already masked
     by the runner (ops/bitmask.py), so "raw" here means raw within the grammar.
     """
 
-    def __init__(self, draw: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        draw: Callable[[Tensor, Tensor], Tensor] | None = None,
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
         """draw(logits, uniform): step 10 as one function of the filtered (num_reqs, vocab)
         float32 logits (which it may overwrite) and (num_reqs, 1) uniforms in [0, 1), returning
-        (num_reqs,) int64 with random_sample's meaning; None: softmax and random_sample."""
+        (num_reqs,) int64 with random_sample's meaning; None: softmax and random_sample.
+        logprobs_mode: one of LOGPROBS_MODES (ValueError otherwise)."""
         super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {logprobs_mode!r}."
+            )
         self.draw = draw
+        self.logprobs_mode = logprobs_mode
+        self._raw = logprobs_mode.startswith("raw_")
+        self._as_logprobs = logprobs_mode.endswith("_logprobs")
 
     def forward(self, logits: Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: (num_reqs, vocab) float32, one row per request being sampled, in the row
@@ -82,19 +102,26 @@ class Sampler(nn.Module):
         # half-precision caller pays one copy here rather than silent precision loss.
         if logits.dtype != torch.float32:
             logits = logits.float()
+        wanted = metadata.max_num_logprobs is not None
         # 1)
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = compute_logprobs(logits)
+        reported = None
+        if wanted and self._raw:
+            reported = self._reported(logits)
         # 2) - 4)
         self.apply_logits_processors(logits, metadata)
         # 5) - 11)
-        sampled_token_ids = self.sample(logits, metadata)
+        sampled_token_ids, processed = self.sample(logits, metadata, wanted and not self._raw)
         # 12)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled_token_ids)
+        if wanted:
+            reported = processed if reported is None else reported
+            logprobs = gather_logprobs(reported, metadata.max_num_logprobs, sampled_token_ids)
         return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+    def _reported(self, logits: Tensor) -> Tensor:
+        """What the logprobs are taken from, as a new tensor (the steps after this one edit
+        `logits` in place, and the draw may overwrite it)."""
+        return compute_logprobs(logits) if self._as_logprobs else logits.clone()
 
     @staticmethod
     def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> None:
@@ -114,20 +141,25 @@ class Sampler(nn.Module):
                 metadata.repetition_penalty,
             )
 
-    def sample(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-        """Steps 5-11: (num_reqs,) int64 token ids. Overwrites `logits` on the random path."""
+    def sample(
+        self, logits: Tensor, metadata: SamplingMetadata, keep_processed: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Steps 5-11: (num_reqs,) int64 token ids, and, with `keep_processed`, the reported
+        values (logprobs_mode's) of the logits they were drawn from (else None). Overwrites
+        `logits` on the random path."""
         greedy = None
         if not metadata.all_random:
             # 5) Taken before temperature and the filters rewrite the logits.
             greedy = logits.argmax(dim=1)
             if metadata.all_greedy:
-                return greedy
+                return greedy, self._reported(logits) if keep_processed else None
         # 6) - 9)
         if metadata.scale_by_temperature:
             apply_temperature(logits, metadata.temperature)
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        processed = self._reported(logits) if keep_processed else None
         # 10)
         if self.draw is not None:
             uniform = draw_uniforms(logits.shape[0], metadata.generators, logits.device)
@@ -135,6 +167,6 @@ class Sampler(nn.Module):
         else:
             sampled = random_sample(logits.softmax(dim=1), metadata.generators)
         if greedy is None:
-            return sampled
+            return sampled, processed
         # 11)
-        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+        return torch.where(metadata.temperature == 0.0, greedy, sampled), processed

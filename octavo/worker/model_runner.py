@@ -64,10 +64,12 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         backend: ModelBackend,
         reload_model: Callable[[], nn.Module] | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """`model` was built and loaded with `backend` (model.loader.load_model);
         `reload_model` loads it again from its files (what wake_up needs after a sleep that
-        released the weights; None: such a sleep is refused)."""
+        released the weights; None: such a sleep is refused); `logprobs_mode` is the
+        sampler's (what reported logprobs are)."""
         self.model: nn.Module | None = model
         self.model_config = model_config
         self.backend = backend
@@ -93,7 +95,7 @@ class ModelRunner:
             len(self.group_windows),
         )
         # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass.
-        self.sampler = Sampler(draw=backend.draw)
+        self.sampler = Sampler(draw=backend.draw, logprobs_mode=logprobs_mode)
         # Seeded requests keep their generator across preemptions, so a preempted request
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}

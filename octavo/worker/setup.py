@@ -144,5 +144,6 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         config.scheduler,
         backend,
         reload_model if config.enable_sleep_mode else None,
+        config.logprobs_mode,
     )
     return runner, backend

@@ -1,5 +1,5 @@
 """AsyncEngine over a fake LLMEngine (no model, milliseconds): delivery, aborts on close, idle
-sleep, rejected requests, step failures, shutdown."""
+sleep, rejected requests, step failures, shutdown, queue bounds."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import asyncio
 import threading
 import time
 from contextlib import aclosing
+from types import SimpleNamespace
 
 import pytest
 
+from octavo.config import SchedulerConfig
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.async_engine import (
     AsyncEngine,
@@ -19,6 +21,7 @@ from octavo.engine.async_engine import (
 )
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.queue_limits import QueueLimits, QueueOverflowError
 
 REJECTED_PROMPT = [666]
 
@@ -35,6 +38,9 @@ class FakeEngine:
         self.callers: set[str] = set()
         # As LLMEngine asleep: a step reports aborts only.
         self.sleeping = False
+        self.config = SimpleNamespace(
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+        )
 
     def add_request(
         self, request_id, prompt, params, output_kind, arrival_time, priority=0
@@ -81,11 +87,11 @@ def _output(request_id: str, text: str, token_ids: list[int], finish: str | None
     return RequestOutput(request_id, None, [1, 2], [completion], finish is not None)
 
 
-def _request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = None):
+def _request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = None, n: int = 1):
     return EngineRequest(
         request_id,
         ProcessedPrompt(None, prompt or [1, 2]),
-        SamplingParams(max_tokens=max_tokens),
+        SamplingParams(max_tokens=max_tokens, n=n),
         time.monotonic(),
     )
 
@@ -267,3 +273,59 @@ def test_from_factory_reraises_a_failed_build_and_shutdown_before_start_returns(
     engine = AsyncEngine.from_factory(FakeEngine)
     engine.shutdown(timeout_s=5)
     assert not engine.is_running and engine.dead_reason == "shut down"
+
+
+def test_queue_bounds_reject_at_once_and_free_their_room_when_requests_end() -> None:
+    """vLLM's rules: --max-num-queued-reqs holds with the new request counted (n > 1 counts n);
+    --max-num-queued-tokens rejects once the prompts not yet prefilled reach it. The engine
+    is asleep at first, so no request gets past its prompt until it wakes."""
+
+    async def body(engine: AsyncEngine, fake: FakeEngine):
+        engine.queue_limits = QueueLimits(max_num_queued_reqs=3, max_num_queued_tokens=3)
+        await engine.call(lambda e: setattr(e, "sleeping", True))
+        first = engine.generate([_request("a", prompt=[1, 2])])
+        second = engine.generate([_request("b", prompt=[1, 2])])
+        pending = [asyncio.create_task(anext(first)), asyncio.create_task(anext(second))]
+        await asyncio.sleep(0)
+        # 2 requests, 4 prompt tokens waiting: one token past the bound.
+        assert (engine.queue_limits.num_reqs, engine.queue_limits.num_prefill_tokens) == (2, 4)
+        with pytest.raises(QueueOverflowError, match="--max-num-queued-tokens"):
+            await _collect(engine, [_request("c", prompt=[1])])
+        engine.queue_limits.max_num_queued_tokens = None
+        with pytest.raises(QueueOverflowError, match="--max-num-queued-reqs"):
+            await _collect(engine, [_request("d", n=2)])
+        with pytest.raises(QueueOverflowError, match="--max-num-queued-reqs"):
+            engine.check_admission([_request("d", n=2)])
+        engine.check_admission([_request("e")])
+        # The rejected ones never reached the engine (commands run in order).
+        assert await engine.call(lambda e: set(e.remaining)) == {"a", "b"}
+        # Awake: the first outputs end both prompts' prefill, the last ones free the slots.
+        await engine.call(lambda e: setattr(e, "sleeping", False))
+        await asyncio.gather(*pending)
+        assert engine.queue_limits.num_prefill_tokens == 0
+        assert engine.queue_limits.num_reqs == 2
+        for outputs in (first, second):
+            async for _ in outputs:
+                pass
+        assert (engine.queue_limits.num_reqs, engine.queue_limits.num_prefill_tokens) == (0, 0)
+        engine.queue_limits.max_num_queued_tokens = 1
+        return await _collect(engine, [_request("f", max_tokens=1, n=3, prompt=[1, 2, 3])])
+
+    outputs, _ = _run(body)
+    assert outputs == [("f", "t", "length")]
+
+
+def test_a_closed_or_failed_call_gives_its_room_back() -> None:
+    async def body(engine: AsyncEngine, fake: FakeEngine):
+        engine.queue_limits = QueueLimits(max_num_queued_reqs=1)
+        async with aclosing(engine.generate([_request("a", max_tokens=50)])) as outputs:
+            await anext(outputs)
+            assert engine.queue_limits.num_reqs == 1
+        assert engine.queue_limits.num_reqs == 0
+        with pytest.raises(ValueError, match="666"):
+            await _collect(engine, [_request("b", prompt=REJECTED_PROMPT)])
+        assert (engine.queue_limits.num_reqs, engine.queue_limits.num_prefill_tokens) == (0, 0)
+        return await _collect(engine, [_request("c", max_tokens=1)])
+
+    outputs, _ = _run(body)
+    assert outputs == [("c", "t", "length")]

@@ -93,6 +93,8 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None
+    # Load the key, certificate and CA files again when they change while serving.
+    enable_ssl_refresh: bool = False
     # FastAPI's /docs, /redoc and /openapi.json (served unless this is set, as vLLM does).
     disable_fastapi_docs: bool = False
     # The role of chat responses; whether every stream ends with usage; whether responses

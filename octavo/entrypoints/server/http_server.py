@@ -9,6 +9,10 @@
   which cuts the connection mid-event. `Server.shutdown` asks the engine, just before that
   deadline, to end every request still running, so each stream sends an error event and
   [DONE] and closes on its own.
+- Certificates renewed while serving (vLLM's --enable-ssl-refresh): `SSLCertRefresher`
+  watches the key, certificate and CA files and loads them again into the server's SSL
+  context when they change; connections made after that see the new ones, open ones keep
+  theirs.
 
 Must not: know the routes or the engine beyond the one `end_all` call.
 """
@@ -16,7 +20,10 @@ Must not: know the routes or the engine beyond the one `end_all` call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import ssl
 from typing import Any
 
 import uvicorn
@@ -75,12 +82,89 @@ class HeadTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
 
-class Server(uvicorn.Server):
-    """uvicorn.Server that ends the engine's requests just before the shutdown deadline."""
+class SSLCertRefresher:
+    """Polls the certificate, key and CA files (their size, modification time and inode, so
+    a file renamed over another counts) and loads a changed set into `context`. A load that
+    fails (a renewal caught halfway: the new certificate with the old key) is logged and
+    tried again once the files change again; the context keeps serving what it had
+    meanwhile. No watcher library: three stat calls a second cost nothing next to a
+    dependency."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+    poll_interval_s = 1.0
+
+    def __init__(
+        self, context: ssl.SSLContext, certfile: str, keyfile: str | None, ca_certs: str | None
+    ) -> None:
+        self.context = context
+        self.certfile, self.keyfile, self.ca_certs = certfile, keyfile, ca_certs
+        self._loaded = self._signatures()
+        # The files as they were at the last failed load: tried again only once they change.
+        self._failed: tuple[tuple[int, ...] | None, ...] | None = None
+
+    def _signatures(self) -> tuple[tuple[int, ...] | None, ...]:
+        def signature(path: str | None) -> tuple[int, ...] | None:
+            if path is None:
+                return None
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+        return tuple(signature(p) for p in (self.certfile, self.keyfile, self.ca_certs))
+
+    def refresh(self) -> bool:
+        """Load the files again if they changed since the last load; True if it did."""
+        current = self._signatures()
+        if current in (self._loaded, self._failed):
+            return False
+        try:
+            if current[:2] != self._loaded[:2]:
+                # A pair that does not match leaves a context half loaded (the new
+                # certificate, the old key: every handshake fails), so the pair is tried on a
+                # scratch context first.
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.certfile, self.keyfile)
+                self.context.load_cert_chain(self.certfile, self.keyfile)
+            if self.ca_certs is not None and current[2] != self._loaded[2]:
+                self.context.load_verify_locations(self.ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            self._failed = current
+            logger.warning(
+                "reloading the HTTPS certificates failed (tried again when the files change): %s",
+                exc,
+            )
+            return False
+        self._loaded = current
+        logger.info("reloaded the HTTPS certificates from %s", self.certfile)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            self.refresh()
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that ends the engine's requests just before the shutdown deadline, and
+    that reloads its certificates as they change when `ssl_refresh` is set."""
+
+    def __init__(
+        self, config: uvicorn.Config, async_engine: AsyncEngine, ssl_refresh: bool = False
+    ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.ssl_refresh = ssl_refresh
+        self.ssl_refresher: SSLCertRefresher | None = None
+        self._refresh_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        config = self.config
+        if self.ssl_refresh and config.ssl is not None:
+            self.ssl_refresher = SSLCertRefresher(
+                config.ssl, config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs
+            )
+            self._refresh_task = asyncio.create_task(self.ssl_refresher.run())
 
     async def shutdown(self, sockets: Any = None) -> None:
         grace_s = self.config.timeout_graceful_shutdown
@@ -91,6 +175,10 @@ class Server(uvicorn.Server):
                 self.async_engine.end_all,
                 "The server is shutting down.",
             )
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh_task
         try:
             await super().shutdown(sockets)
         finally:
@@ -127,4 +215,5 @@ def make_server(
             timeout_graceful_shutdown=config.shutdown_timeout_s,
         ),
         async_engine,
+        ssl_refresh=config.enable_ssl_refresh,
     )

@@ -149,6 +149,7 @@ class _Run:
         self.context = context
         self.request = request
         self.engine_request = engine_request
+        self.engine_requests = [engine_request]
         self.request_id = engine_request.request_id
         self.created = int(time.time())
         self.usage = PromptUsage(len(engine_request.prompt.prompt_token_ids))

@@ -34,6 +34,7 @@ from octavo.engine.async_engine import (
 )
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import RequestOutput
+from octavo.engine.queue_limits import QueueOverflowError
 from octavo.entrypoints.server.errors import (
     OpenAIError,
     bad_request,
@@ -106,11 +107,17 @@ async def respond(
 ) -> Response:
     """What every generating endpoint does with a request: read its body on the event loop
     (size and time limits), `prepare_run(body, arrival_time)` in a preparation thread (a run
-    with `.request.stream`, `.stream()` and `.collect()`), then stream the run or return its
-    whole response (499 when the client has gone before it is done)."""
+    with `.request.stream`, `.engine_requests`, `.stream()` and `.collect()`), then stream the
+    run or return its whole response (499 when the client has gone before it is done)."""
     body = await read_body(raw_request, context.max_request_body_bytes, context.body_read_timeout_s)
     run = await prepare(context, prepare_run, body, time.monotonic())
     if run.request.stream:
+        # The queue bounds, before the 200 goes out: a rejected stream gets a 503, not an
+        # error event (the run's own submission checks again).
+        try:
+            context.async_engine.check_admission(run.engine_requests)
+        except QueueOverflowError as exc:
+            raise engine_error_to_openai(exc) from None
         return StreamingResponse(run.stream(), media_type="text/event-stream")
     response = await run_unless_disconnected(raw_request, run.collect())
     if response is None:
@@ -298,7 +305,7 @@ def engine_error_to_openai(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, ValueError):
         return from_value_error(exc, SAMPLING_FIELDS, {})
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, QueueOverflowError)):
         return OpenAIError(503, str(exc))
     if isinstance(exc, (EngineStepError, EngineRequestError)):
         return OpenAIError(500, str(exc))

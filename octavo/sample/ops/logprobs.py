@@ -1,9 +1,10 @@
-"""Log-probabilities reported to users: the raw model distribution's top-k and sampled token.
+"""Log-probabilities reported to users: the top-k and the sampled token of one distribution.
 
-Owns LogprobsTensors and the two halves of computing it: the log_softmax of the raw logits, taken
-before any processing (vLLM's default "raw_logprobs": what the model said, not what the filters
-left), and the gather once the sampled tokens are known. Must not apply penalties, bias or
-filters, and must not move anything to the host; the runner copies the result once per step.
+Owns LogprobsTensors and the two halves of computing it: the log_softmax of a row of logits, and
+the gather once the sampled tokens are known. Which logits (the raw ones, before any processing,
+vLLM's default "raw_logprobs", or those the token was drawn from) is the Sampler's choice
+(--logprobs-mode). Must not apply penalties, bias or filters, and must not move anything to the
+host; the runner copies the result once per step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class LogprobsTensors:
     token_ids: Tensor
     # (num_reqs, k + 1) float32, parallel to token_ids.
     logprobs: Tensor
-    # (num_reqs,) int64: 1-based rank of the sampled token in the raw distribution.
+    # (num_reqs,) int64: 1-based rank of the sampled token among the reported values.
     sampled_ranks: Tensor
 
 
@@ -35,7 +36,8 @@ def gather_logprobs(
 ) -> LogprobsTensors:
     """The top `num_logprobs` of each row plus the sampled token's logprob and rank.
 
-    `logprobs` is (num_reqs, vocab) from compute_logprobs, `sampled_token_ids` (num_reqs,) int64.
+    `logprobs` is (num_reqs, vocab) from compute_logprobs (or logits, in a *_logits mode),
+    `sampled_token_ids` (num_reqs,) int64.
     Raises ValueError when num_logprobs is negative or larger than the vocabulary.
     """
     vocab_size = logprobs.shape[1]

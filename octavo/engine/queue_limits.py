@@ -1,0 +1,63 @@
+"""QueueLimits: vLLM's --max-num-queued-reqs and --max-num-queued-tokens, the bounds on the work
+the serving frontend has accepted and not finished, checked when a request is submitted.
+
+Owns two tallies of what the frontend has handed to the engine: requests in flight (waiting or
+running; a request with n > 1 counts n), and the prompt tokens of the requests whose prompt is
+not done yet (no output has come back for them). A request that would pass a bound is rejected
+at once with QueueOverflowError (the server answers 503), before anything of it reaches the
+engine, so a load balancer can send it elsewhere. vLLM's rules: the request bound holds for the
+tally with the new request in it; the token bound rejects once the tally has reached it (a
+prompt larger than the bound is taken when nothing else is being prefilled).
+
+Lives on the event loop (AsyncEngine.generate) and needs no lock. Must not: look into the
+scheduler (the counts are what the frontend has seen, as vLLM's are), or run for the offline
+LLM, which submits every prompt at once (vLLM's LLM does not check them either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class QueueOverflowError(RuntimeError):
+    """A request was rejected because the frontend's queue bounds are reached."""
+
+
+@dataclass(slots=True)
+class QueueLimits:
+    # None: no bound.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    # Requests in flight (each counted n times) and prompt tokens not yet prefilled.
+    num_reqs: int = 0
+    num_prefill_tokens: int = 0
+
+    def check(self, num_reqs: int) -> None:
+        """Raise QueueOverflowError if `num_reqs` more requests may not be admitted now."""
+        limit = self.max_num_queued_reqs
+        if limit is not None and self.num_reqs + num_reqs > limit:
+            raise QueueOverflowError(
+                f"The server is at its limit of {limit} requests in flight "
+                f"(--max-num-queued-reqs); {self.num_reqs} are running or waiting, this one "
+                f"asks for {num_reqs}. Retry later."
+            )
+        limit = self.max_num_queued_tokens
+        if limit is not None and self.num_prefill_tokens >= limit:
+            raise QueueOverflowError(
+                f"The server is at its limit of {limit} prompt tokens waiting to be processed "
+                f"(--max-num-queued-tokens); {self.num_prefill_tokens} are. Retry later."
+            )
+
+    def admit(self, num_reqs: int, num_prompt_tokens: int) -> None:
+        """check, then count the request in."""
+        self.check(num_reqs)
+        self.num_reqs += num_reqs
+        self.num_prefill_tokens += num_prompt_tokens
+
+    def prefilled(self, num_prompt_tokens: int) -> None:
+        """A request's prompt is done (its first output came back)."""
+        self.num_prefill_tokens -= num_prompt_tokens
+
+    def finished(self, num_reqs: int) -> None:
+        """A request has finished (or was aborted, or failed)."""
+        self.num_reqs -= num_reqs
