@@ -5,6 +5,8 @@ not collide) and the metric objects in it, the process's own collectors (`proces
 `python_*`) included. Stats come in as snapshot dataclasses from `metrics.stats`; Prometheus
 text goes out. Every series carries vLLM's labels `model_name` and `engine` (the engine's index,
 "0" for one engine; `vllm:request_success` adds `finished_reason`); never a per-request label.
+The exceptions are vLLM's too: `vllm:cache_config_info` is labelled by the settings and the
+engine, `vllm:sleep_mode_operation_duration_seconds` by the operation only.
 Metrics vLLM does not have are named `octavo:*`.
 
 Must not: import the engine or the server, or compute stats itself (callers hand them over).
@@ -119,6 +121,11 @@ WAITING_REASONS = ("capacity", "deferred")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # vLLM's cache tiers a prefix hit can come from; octavo's prefix cache is the device's own.
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+
+# vLLM's sleep states (awake, or asleep at level 1 or 2) and the buckets of how long one
+# sleep-mode operation ("sleep", "wake") took.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+SLEEP_MODE_OPERATION_BUCKETS_S = [0.01, 0.1, 1, 10, 30, 60, 120, 300, 600]
 
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
@@ -275,6 +282,25 @@ class _EngineMetrics:
         }
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        sleep_state = family(
+            Gauge,
+            "vllm:engine_sleep_state",
+            "Engine sleep state: 1 for the state the engine is in (awake; asleep at level 1, "
+            "weights_offloaded; at level 2, discard_all), 0 for the others; all 0 at level 0.",
+            [*LABEL_NAMES, "sleep_state"],
+        )
+        self.engine_sleep_state = {
+            state: sleep_state.labels(**labels, sleep_state=state) for state in SLEEP_STATES
+        }
+        self.engine_sleep_state["awake"].set(1)
+        # As vLLM's, labelled by the operation only: its series appear once one has run.
+        self.sleep_mode_operation_duration = family(
+            Histogram,
+            "vllm:sleep_mode_operation_duration_seconds",
+            "Duration of one sleep-mode operation.",
+            ["operation"],
+            buckets=SLEEP_MODE_OPERATION_BUCKETS_S,
         )
         self.num_preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
@@ -448,6 +474,10 @@ class _EngineMetrics:
             scheduler_stats.num_waiting_reqs - num_deferred
         )
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        level = scheduler_stats.sleep_level
+        self.engine_sleep_state["awake"].set(level is None)
+        self.engine_sleep_state["weights_offloaded"].set(level == 1)
+        self.engine_sleep_state["discard_all"].set(level == 2)
         self._record_scheduler_counters(scheduler_stats)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
@@ -487,6 +517,8 @@ class _EngineMetrics:
             self.request_params_n.observe(n)
         for num_tokens in iteration.max_num_generation_tokens:
             self.request_max_num_generation_tokens.observe(num_tokens)
+        for operation, duration_s in iteration.sleep_mode_operations_s:
+            self.sleep_mode_operation_duration.labels(operation=operation).observe(duration_s)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         success = self.request_success.get(finished.finish_reason)

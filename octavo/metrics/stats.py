@@ -35,6 +35,10 @@ class SchedulerStats:
     # Of the waiting ones, those held back by something other than room: a structured-output
     # grammar still compiling (vLLM's `deferred` reason; the others wait for `capacity`).
     num_deferred_reqs: int = 0
+    # None while the engine is awake; else the level of the sleep it is in (vLLM's sleep
+    # mode: 0 pauses the steps, 1 also releases the KV cache, 2 the weights too). It stays
+    # asleep, at that level, until wake_up has restored everything.
+    sleep_level: int | None = None
 
     @classmethod
     def combined(cls, stats: list[SchedulerStats]) -> SchedulerStats:
@@ -55,6 +59,9 @@ class SchedulerStats:
             num_free_blocks=sum(s.num_free_blocks for s in stats),
             num_blocks=num_blocks,
             num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
+            sleep_level=max(
+                (s.sleep_level for s in stats if s.sleep_level is not None), default=None
+            ),
         )
 
 
@@ -113,6 +120,8 @@ class IterationStats:
     # tokens one of its streams generated. The frontend adds these (it owns the fan-out).
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
+    # Sleep-mode operations done since the last snapshot: ("sleep" or "wake", seconds taken).
+    sleep_mode_operations_s: list[tuple[str, float]] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

@@ -127,6 +127,10 @@ class RequestStatsTracker:
             )
         )
 
+    def record_sleep_mode_operation(self, operation: str, duration_s: float) -> None:
+        """A sleep or a wake-up of the engine ("sleep" / "wake") and how long it took."""
+        self._iteration.sleep_mode_operations_s.append((operation, duration_s))
+
     def take_iteration_stats(self, num_scheduled_tokens: int = 0) -> IterationStats:
         """Everything recorded since the last call, as one IterationStats; starts a new one."""
         iteration, self._iteration = self._iteration, IterationStats()

@@ -60,6 +60,12 @@ class FakeRunner:
                 sampled.append([])
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
 
+    def sleep(self, level: int) -> None:
+        """Nothing to release: the core has ended every request."""
+
+    def wake_up(self, tags) -> None:
+        pass
+
 
 def word_tokenizer() -> Tokenizer:
     """Token i is the word "t{i}"; decoding joins words with spaces."""
@@ -69,7 +75,9 @@ def word_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_engine(request_log: str | None, admission: str = "current") -> LLMEngine:
+def make_engine(
+    request_log: str | None, admission: str = "current", enable_sleep_mode: bool = False
+) -> LLMEngine:
     """10 blocks of 4 tokens, the scheduler tests' pool."""
     config = EngineConfig(
         model=MODEL,
@@ -81,6 +89,7 @@ def make_engine(request_log: str | None, admission: str = "current") -> LLMEngin
         cache=CacheConfig(block_size=4, num_blocks=10),
         scheduler=SchedulerConfig(16, 64, 64, admission=admission),
         request_log=request_log,
+        enable_sleep_mode=enable_sleep_mode,
     )
     return LLMEngine(config, FakeRunner(), word_tokenizer(), (EOS_TOKEN_ID,))
 
@@ -267,6 +276,41 @@ def test_preemptions_by_policy(admission: str, num_preemptions: int) -> None:
     assert values[series("octavo:num_requests_evicted_total")] == num_preemptions
     assert values[series("vllm:request_success_total", finished_reason="length")] == 2
     assert len(engine.stats_tracker) == 0
+
+
+def test_sleep_state_and_operations_through_the_engine() -> None:
+    """sleep(1) aborts the running request and shows at once, without a step: the engine is
+    asleep with its weights "offloaded" (vLLM's level-1 state), and one sleep took some time.
+    After wake_up it is awake again, and one wake-up is counted."""
+    engine = make_engine(None, enable_sleep_mode=True)
+    app = make_server_app(engine, ServerConfig())
+
+    def state(values: dict[str, float]) -> tuple[float, ...]:
+        return tuple(
+            values[series("vllm:engine_sleep_state", sleep_state=s)]
+            for s in ("awake", "weights_offloaded", "discard_all")
+        )
+
+    def operations(values: dict[str, float], operation: str) -> float:
+        name = "vllm:sleep_mode_operation_duration_seconds_count"
+        return values.get(f'{name}{{operation="{operation}"}}', 0)
+
+    values, types = scrape(app)
+    assert state(values) == (1, 0, 0) and operations(values, "sleep") == 0
+    engine.add_request("a", list(range(10, 19)), SamplingParams(max_tokens=8))
+    engine.step()
+    engine.sleep(1)
+    values, types = scrape(app)
+    assert state(values) == (0, 1, 0)
+    assert (operations(values, "sleep"), operations(values, "wake")) == (1, 0)
+    assert values[series("vllm:request_success_total", finished_reason="abort")] == 1
+    assert types["vllm:sleep_mode_operation_duration_seconds"] == "histogram"
+    engine.wake_up()
+    values, _ = scrape(app)
+    assert state(values) == (1, 0, 0)
+    assert (operations(values, "sleep"), operations(values, "wake")) == (1, 1)
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
 
 
 # The shared server's model name and every metric family it must expose, with its type.
