@@ -212,6 +212,8 @@ class EngineCore:
             step_start_time,
         )
         tracker.record_preempted(scheduler_output.preempted_req_ids, step_start_time)
+        # Blocks are taken and found by prefix hits while scheduling.
+        tracker.record_block_events(self.scheduler.take_residency_events(), step_start_time)
         for output in outputs:
             tracker.record_tokens(
                 output.request_id, len(output.new_token_ids), now, output.num_cached_tokens

@@ -127,6 +127,31 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 SLEEP_MODE_OPERATION_BUCKETS_S = [0.01, 0.1, 1, 10, 30, 60, 120, 300, 600]
 
+# vLLM's buckets of a sampled KV block's lifetime, idle time and reuse gaps.
+KV_BLOCK_RESIDENCY_BUCKETS_S = [
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    20,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+    1800,
+]
+
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
     0.01,
@@ -182,9 +207,12 @@ class PrometheusStatLogger:
         max_model_len: int = 32768,
         cache_info: dict[str, str] | None = None,
         num_engines: int = 1,
+        kv_cache_metrics: bool = False,
     ) -> None:
         """cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
-        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine."""
+        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine.
+        kv_cache_metrics: export the sampled KV blocks' residency histograms (vLLM's
+        --kv-cache-metrics; the engines' pools sample the blocks)."""
         self.registry = registry or CollectorRegistry()
         if registry is None:  # a registry of its own: the process's collectors join it
             ProcessCollector(registry=self.registry)
@@ -204,6 +232,7 @@ class PrometheusStatLogger:
                 {"model_name": model_name, "engine": str(index)},
                 max_model_len,
                 cache_info,
+                kv_cache_metrics,
             )
             for index in range(num_engines)
         ]
@@ -238,6 +267,7 @@ def stat_logger_for(config: EngineConfig, num_engines: int = 1) -> PrometheusSta
             "sliding_window": cache.sliding_window,
         },
         num_engines=num_engines,
+        kv_cache_metrics=cache.kv_cache_metrics_sample > 0,
     )
 
 
@@ -250,6 +280,7 @@ class _EngineMetrics:
         labels: dict[str, str],
         max_model_len: int,
         cache_info: dict[str, str] | None,
+        kv_cache_metrics: bool,
     ) -> None:
         def gauge(name: str, documentation: str) -> Gauge:
             return family(Gauge, name, documentation, LABEL_NAMES).labels(**labels)
@@ -435,6 +466,30 @@ class _EngineMetrics:
             "hits left out).",
             token_buckets,
         )
+        # Sampled KV blocks' residency, exported only where sampled, as vLLM's are.
+        self.kv_block_residency: tuple[Histogram, Histogram, Histogram] | None = None
+        if kv_cache_metrics:
+            self.kv_block_residency = (
+                histogram(
+                    "vllm:kv_block_lifetime_seconds",
+                    "Histogram of KV cache block lifetime from allocation to eviction. "
+                    "Sampled metrics (controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+                histogram(
+                    "vllm:kv_block_idle_before_evict_seconds",
+                    "Histogram of idle time before KV cache block eviction. Sampled metrics "
+                    "(controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+                histogram(
+                    "vllm:kv_block_reuse_gap_seconds",
+                    "Histogram of time gaps between consecutive KV cache block accesses. Only "
+                    "the most recent accesses are recorded (ring buffer). Sampled metrics "
+                    "(controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+            )
         if cache_info is not None:
             # An info metric as vLLM exports it: a gauge at 1 whose labels are the settings.
             info = {**{k: str(v) for k, v in cache_info.items()}, "engine": labels["engine"]}
@@ -517,6 +572,14 @@ class _EngineMetrics:
             self.request_params_n.observe(n)
         for num_tokens in iteration.max_num_generation_tokens:
             self.request_max_num_generation_tokens.observe(num_tokens)
+        if self.kv_block_residency is not None:
+            lifetime, idle, reuse_gap = self.kv_block_residency
+            for seconds in iteration.kv_block_lifetimes_s:
+                lifetime.observe(seconds)
+            for seconds in iteration.kv_block_idle_before_evict_s:
+                idle.observe(seconds)
+            for seconds in iteration.kv_block_reuse_gaps_s:
+                reuse_gap.observe(seconds)
         for operation, duration_s in iteration.sleep_mode_operations_s:
             self.sleep_mode_operation_duration.labels(operation=operation).observe(duration_s)
 

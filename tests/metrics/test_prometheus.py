@@ -235,6 +235,32 @@ def test_sleep_state_and_sleep_mode_operations() -> None:
     assert value(f"{duration}_bucket", {"operation": "wake", "le": "30.0"}) == 1
 
 
+def test_kv_block_residency_only_where_sampled() -> None:
+    """vLLM's three residency histograms, with its buckets, exist only with kv_cache_metrics
+    (--kv-cache-metrics) and take the iteration's sampled lives."""
+    names = ("lifetime", "idle_before_evict", "reuse_gap")
+    assert not any(
+        f"vllm:kv_block_{name}_seconds" in PrometheusStatLogger("m").render().decode()
+        for name in names
+    )
+    logger = PrometheusStatLogger("m", kv_cache_metrics=True)
+    value = logger.registry.get_sample_value
+    assert all(value(f"vllm:kv_block_{name}_seconds_count", MODEL) == 0 for name in names)
+    logger.record(
+        SchedulerStats(),
+        IterationStats(
+            kv_block_lifetimes_s=[7.0, 0.0015],
+            kv_block_idle_before_evict_s=[2.0, 0.0015],
+            kv_block_reuse_gaps_s=[1.5, 0.5, 1.5],
+        ),
+    )
+    assert value("vllm:kv_block_lifetime_seconds_sum", MODEL) == pytest.approx(7.0015)
+    assert value("vllm:kv_block_lifetime_seconds_bucket", {**MODEL, "le": "0.002"}) == 1
+    assert value("vllm:kv_block_idle_before_evict_seconds_count", MODEL) == 2
+    assert value("vllm:kv_block_reuse_gap_seconds_bucket", {**MODEL, "le": "1.0"}) == 1
+    assert value("vllm:kv_block_reuse_gap_seconds_bucket", {**MODEL, "le": "1800.0"}) == 3
+
+
 def test_each_engine_has_its_own_series_in_one_family() -> None:
     cache = {"block_size": "16", "num_gpu_blocks": "64"}
     logger = PrometheusStatLogger("m", cache_info=cache, num_engines=2)

@@ -76,7 +76,10 @@ def word_tokenizer() -> Tokenizer:
 
 
 def make_engine(
-    request_log: str | None, admission: str = "current", enable_sleep_mode: bool = False
+    request_log: str | None,
+    admission: str = "current",
+    enable_sleep_mode: bool = False,
+    kv_cache_metrics_sample: float = 0.0,
 ) -> LLMEngine:
     """10 blocks of 4 tokens, the scheduler tests' pool."""
     config = EngineConfig(
@@ -86,7 +89,9 @@ def make_engine(
         dtype_reason="test",
         device="cpu",
         seed=0,
-        cache=CacheConfig(block_size=4, num_blocks=10),
+        cache=CacheConfig(
+            block_size=4, num_blocks=10, kv_cache_metrics_sample=kv_cache_metrics_sample
+        ),
         scheduler=SchedulerConfig(16, 64, 64, admission=admission),
         request_log=request_log,
         enable_sleep_mode=enable_sleep_mode,
@@ -311,6 +316,32 @@ def test_sleep_state_and_operations_through_the_engine() -> None:
     assert (operations(values, "sleep"), operations(values, "wake")) == (1, 1)
     run_to_completion(engine)
     engine.scheduler.check_integrity()
+
+
+def test_kv_block_residency_through_the_engine() -> None:
+    """Every block sampled. a (9 prompt tokens, 2 answer tokens) takes blocks 0, 1, 2; its two
+    full prompt blocks stay cached, and b and c, the same prompt, hit them (block 1: two hits,
+    one reuse gap) and take block 2 again for their last token (two lives of block 2 end).
+    d's 33-token prompt takes the 9 blocks 2-9 and 1: block 2's third life and block 1's
+    end. Ends: 4 lives (lifetime and idle time each), 1 gap; block 0 still lives."""
+    engine = make_engine(None, kv_cache_metrics_sample=1.0)
+    app = make_server_app(engine, ServerConfig())
+    prompt = list(range(10, 19))
+    for request_id in ("a", "b", "c"):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))
+        run_to_completion(engine)
+    engine.add_request("d", list(range(20, 53)), SamplingParams(max_tokens=1))
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
+    values, types = scrape(app)
+    assert values[series("vllm:prefix_cache_hits_total")] == 16
+    for name, count in (("lifetime", 4), ("idle_before_evict", 4), ("reuse_gap", 1)):
+        assert types[f"vllm:kv_block_{name}_seconds"] == "histogram"
+        assert values[series(f"vllm:kv_block_{name}_seconds_count")] == count, name
+    # Off by default: none of them is exported.
+    assert not any(
+        "kv_block" in key for key in scrape(make_server_app(make_engine(None), ServerConfig()))[0]
+    )
 
 
 # The shared server's model name and every metric family it must expose, with its type.
