@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -433,17 +434,30 @@ DASHBOARD_SERIES = Path(__file__).parents[1] / "data" / "vllm_dashboard_series.j
 
 
 def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
-    """After a request, /metrics serves every series named by the PromQL of vLLM's example
-    dashboards, labelled with the model and the engine, with each label value a query
-    filters on (finished_reason="error", reason="deferred", a TTFT bucket bound, ...). A
-    series that cannot mean anything here must say why in the data, not be skipped."""
+    """After a request and a sleep (level 0) and wake-up, /metrics serves every series named
+    by the PromQL of vLLM's example dashboards, labelled with the model and the engine (or
+    with vLLM's own labels where the data names them), with each label value a query filters
+    on (finished_reason="error", reason="deferred", sleep_state="discard_all", a TTFT bucket
+    bound, ...). A series that cannot mean anything here must say why in the data, not be
+    skipped."""
     body = {"model": SERVER_MODEL, "prompt": "Count: one two", "max_tokens": 3, "ignore_eos": True}
     assert http.post("/v1/completions", json=body).status_code == 200
     server.wait_idle()
+    assert http.post("/sleep?level=0").status_code == 200
+    assert http.post("/wake_up").status_code == 200
     samples: dict[str, list[dict[str, str]]] = defaultdict(list)
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            samples[sample.name].append(sample.labels)
+    deadline = time.monotonic() + 30
+    # The engine core's stats after the wake-up reach /metrics a moment after its reply.
+    while not any(
+        s.get("operation") == "wake"
+        for s in samples["vllm:sleep_mode_operation_duration_seconds_count"]
+    ):
+        assert time.monotonic() < deadline, "no wake-up at /metrics"
+        time.sleep(0.05)
+        samples.clear()
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for sample in family.samples:
+                samples[sample.name].append(sample.labels)
 
     data = json.loads(DASHBOARD_SERIES.read_text())
     assert data["dashboards"] and data["series"]
@@ -457,8 +471,11 @@ def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
             missing.append(name)
             continue
         labels = samples[name]
+        wanted = {"model_name": SERVER_MODEL, "engine": "0"}
+        required = entry.get("labels", list(wanted))
         if name.startswith("vllm:") and not any(
-            s.get("model_name") == SERVER_MODEL and s.get("engine") == "0" for s in labels
+            all(label in s and wanted.get(label, s[label]) == s[label] for label in required)
+            for s in labels
         ):
             unlabelled.append(name)
         for label, values in entry.get("label_values", {}).items():
