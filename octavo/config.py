@@ -118,6 +118,10 @@ class CacheConfig:
     # layers of one group (what a block id holds).
     group_windows: tuple[int, ...] = (0,)
     layer_groups: tuple[tuple[int, int], ...] = ()
+    # Share of the blocks handed out whose life (allocation, prefix hits, reuse for other
+    # data) feeds the vllm:kv_block_* histograms (vLLM's --kv-cache-metrics-sample); 0: none,
+    # and the histograms are not exported (--kv-cache-metrics off).
+    kv_cache_metrics_sample: float = 0.0
 
     @property
     def sliding_window(self) -> int:
@@ -129,6 +133,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}.")
+        if not 0.0 <= self.kv_cache_metrics_sample <= 1.0:
+            raise ValueError(
+                f"kv_cache_metrics_sample must be in [0, 1], got {self.kv_cache_metrics_sample}."
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -557,6 +565,14 @@ class EngineArgs:
         "offline LLM only) or uni (one rank, in the engine's process)",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
+    kv_cache_metrics: bool = setting(
+        False,
+        "sample KV blocks and export how long they live, sit idle before their reuse for "
+        "other data, and wait between prefix-cache hits (vllm:kv_block_*_seconds)",
+    )
+    kv_cache_metrics_sample: float = setting(
+        0.01, "with kv_cache_metrics, the share of the blocks handed out that is sampled"
+    )
     enable_sleep_mode: bool = setting(
         False,
         "allow sleep() / wake_up() (POST /sleep, /wake_up with the dev endpoints): level 1 "
@@ -619,6 +635,10 @@ class EngineArgs:
         if self.data_parallel_size < 1:
             raise ValueError(
                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}."
+            )
+        if not 0 < self.kv_cache_metrics_sample <= 1:
+            raise ValueError(
+                f"kv_cache_metrics_sample must be in (0, 1], got {self.kv_cache_metrics_sample}."
             )
         if self.enable_sleep_mode and self.tensor_parallel_size > 1:
             raise ValueError(
@@ -806,6 +826,9 @@ class EngineArgs:
                 dtype=kv_cache_dtype,
                 group_windows=group_windows,
                 layer_groups=layer_groups,
+                kv_cache_metrics_sample=(
+                    self.kv_cache_metrics_sample if self.kv_cache_metrics else 0.0
+                ),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -5,12 +5,17 @@ The pool owns every Block and decides the eviction order in one place (`free_blo
 `get_new_blocks`). It knows nothing of requests, tokens per request or scheduling: callers
 hand it blocks and keys. No block is reserved: all `num_blocks` blocks hold KV, so capacity
 is `num_blocks * block_size` tokens.
+
+With residency sampling on (vLLM's --kv-cache-metrics), it also reports what happens to a
+share of the blocks it hands out, as KVBlockEvents without times: the engine stamps them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from octavo.metrics.stats import KVBlockEvent
 
 
 @dataclass(slots=True, eq=False)
@@ -90,9 +95,15 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, residency_sample: float = 0.0
+    ) -> None:
+        """residency_sample: the share of allocations whose block's life is reported
+        (take_residency_events); 0: none."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
+        if not 0.0 <= residency_sample <= 1.0:
+            raise ValueError(f"residency_sample must be in [0, 1], got {residency_sample}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
@@ -100,6 +111,12 @@ class BlockPool:
         # One block per key. A second block that fills with the same tokens while the first
         # is cached stays unhashed (its owner keeps using it; it is reused first when freed).
         self.cached_block_map: dict[int, Block] = {}
+        # Residency sampling: every allocation adds the share to a credit, and one whose
+        # credit reaches 1 is sampled (exactly that share, the same blocks every run).
+        self.residency_sample = residency_sample
+        self._residency_credit = 0.0
+        self._sampled_block_ids: set[int] = set()
+        self._residency_events: list[tuple[KVBlockEvent, int]] = []
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -123,6 +140,8 @@ class BlockPool:
             block = self.free_block_queue.popleft()
             self._drop_hash(block)
             block.ref_cnt = 1
+            if self.residency_sample:
+                self._sample_allocation(block.block_id)
             blocks.append(block)
         return blocks
 
@@ -140,6 +159,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if block.block_id in self._sampled_block_ids:
+                self._residency_events.append((KVBlockEvent.ACCESSED, block.block_id))
 
     def cache_full_blocks(
         self,
@@ -195,6 +216,24 @@ class BlockPool:
             block.token_ids = None
         self.cached_block_map.clear()
         return True
+
+    def take_residency_events(self) -> list[tuple[KVBlockEvent, int]]:
+        """The (event, block id) of sampled blocks since the last call, in order; empty
+        without residency sampling."""
+        events, self._residency_events = self._residency_events, []
+        return events
+
+    def _sample_allocation(self, block_id: int) -> None:
+        """A block taken for new data: the end of its sampled life, if it had one, and maybe
+        the start of a new one."""
+        if block_id in self._sampled_block_ids:
+            self._sampled_block_ids.remove(block_id)
+            self._residency_events.append((KVBlockEvent.EVICTED, block_id))
+        self._residency_credit += self.residency_sample
+        if self._residency_credit >= 1.0:
+            self._residency_credit -= 1.0
+            self._sampled_block_ids.add(block_id)
+            self._residency_events.append((KVBlockEvent.ALLOCATED, block_id))
 
     def check_integrity(self) -> None:
         """Assert that the free queue, the ref counts and the key map agree."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from octavo.core.block_pool import Block, BlockPool
 from octavo.core.request import Request
+from octavo.metrics.stats import KVBlockEvent
 
 # The place of a block a sliding window has left: not in the pool, never freed or cached; the
 # runner's table holds id 0 for it, which attention never reads (its ref_cnt is never 0, so
@@ -66,10 +67,11 @@ class KVCacheManager:
         enable_caching: bool,
         sliding_window: int = 0,
         group_windows: tuple[int, ...] | None = None,
+        residency_sample: float = 0.0,
     ) -> None:
         """group_windows: each KV cache group's window (0: full attention); None: one group of
         `sliding_window` (0: full), whose blocks before the window go back to the pool as the
-        request moves on."""
+        request moves on. residency_sample: the pool's (BlockPool)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         windows = (sliding_window,) if group_windows is None else tuple(group_windows)
@@ -77,7 +79,7 @@ class KVCacheManager:
             raise ValueError(f"group windows must be >= 0, got {windows}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, residency_sample)
         self.groups = [_Group(window, salt) for salt, window in enumerate(windows)]
         # Ids appended to groups 1.. since the scheduler last took them, per request.
         self._new_group_ids: dict[str, list[list[int]]] = {}
@@ -313,6 +315,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while any block is held."""
         return self.block_pool.reset_prefix_cache()
+
+    def take_residency_events(self) -> list[tuple[KVBlockEvent, int]]:
+        """The pool's sampled-block events since the last call (BlockPool)."""
+        return self.block_pool.take_residency_events()
 
     def check_integrity(self) -> None:
         """Assert the pool is consistent, each block's ref_cnt equals the number of request

@@ -31,7 +31,7 @@ from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from octavo.core.request import FinishReason, Request, RequestStatus
 from octavo.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from octavo.metrics.stats import SchedulerStats
+from octavo.metrics.stats import KVBlockEvent, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             group_windows=cache_config.group_windows,
+            residency_sample=cache_config.kv_cache_metrics_sample,
         )
         # Under the priority scheduling policy its victim rule is priority_victim
         # (make_admission_policy); a policy passed in keeps its own.
@@ -456,6 +457,12 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while any block is held."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_residency_events(self) -> list[tuple[KVBlockEvent, int]]:
+        """What happened to the KV blocks sampled for residency metrics since the last call,
+        as (event, block id) in order (none unless the cache config samples some). The caller
+        stamps them with the time of the step that made them."""
+        return self.kv_cache_manager.take_residency_events()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -119,6 +119,8 @@ class EngineCore:
         self.stats_tracker = RequestStatsTracker()
         # What sleep released and wake_up has not restored yet (WAKE_UP_TAGS); empty: awake.
         self._sleeping_tags: set[str] = set()
+        # The level of the sleep in progress (SchedulerStats.sleep_level); None: awake.
+        self._sleep_level: int | None = None
         profiler = config.profiler_config
         self.profiler = TorchProfiler(profiler) if profiler else None
 
@@ -210,6 +212,8 @@ class EngineCore:
             step_start_time,
         )
         tracker.record_preempted(scheduler_output.preempted_req_ids, step_start_time)
+        # Blocks are taken and found by prefix hits while scheduling.
+        tracker.record_block_events(self.scheduler.take_residency_events(), step_start_time)
         for output in outputs:
             tracker.record_tokens(
                 output.request_id, len(output.new_token_ids), now, output.num_cached_tokens
@@ -244,7 +248,10 @@ class EngineCore:
             self.model_runner.sleep(level)
             _collect_garbage()
             self._sleeping_tags = set(WAKE_UP_TAGS)
-        logger.info("asleep at level %d in %.2f s", level, time.perf_counter() - start)
+        self._sleep_level = level
+        duration_s = time.perf_counter() - start
+        self.stats_tracker.record_sleep_mode_operation("sleep", duration_s)
+        logger.info("asleep at level %d in %.2f s", level, duration_s)
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Restore what sleep released among `tags` (None: everything; vLLM's tags "weights",
@@ -258,10 +265,14 @@ class EngineCore:
         self.model_runner.wake_up([tag for tag in tags if tag != "scheduling"])
         self._sleeping_tags.difference_update(tags)
         _collect_garbage()
+        if not self._sleeping_tags:
+            self._sleep_level = None
+        duration_s = time.perf_counter() - start
+        self.stats_tracker.record_sleep_mode_operation("wake", duration_s)
         logger.info(
             "woke %s in %.2f s%s",
             ", ".join(tags),
-            time.perf_counter() - start,
+            duration_s,
             f"; still asleep: {', '.join(sorted(self._sleeping_tags))}"
             if self._sleeping_tags
             else "",
@@ -287,7 +298,8 @@ class EngineCore:
         return self.profiler
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """The scheduler's snapshot, with the engine's sleep level."""
+        return dataclasses.replace(self.scheduler.make_stats(), sleep_level=self._sleep_level)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the scheduler's queues or the block pool disagree."""

@@ -186,9 +186,12 @@ class LLMEngine:
         check_sleep(level, mode, self.config.enable_sleep_mode)
         self.abort_request(self.output_processor.unfinished_request_ids())
         self.core.sleep(level, mode)
+        # The loggers see the sleep now, not at a next step that may be long in coming.
+        self._record_stats(self.core.take_iteration_stats())
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.core.wake_up(tags)
+        self._record_stats(self.core.take_iteration_stats())
 
     def is_sleeping(self) -> bool:
         return self.core.is_sleeping()

@@ -5,6 +5,8 @@ not collide) and the metric objects in it, the process's own collectors (`proces
 `python_*`) included. Stats come in as snapshot dataclasses from `metrics.stats`; Prometheus
 text goes out. Every series carries vLLM's labels `model_name` and `engine` (the engine's index,
 "0" for one engine; `vllm:request_success` adds `finished_reason`); never a per-request label.
+The exceptions are vLLM's too: `vllm:cache_config_info` is labelled by the settings and the
+engine, `vllm:sleep_mode_operation_duration_seconds` by the operation only.
 Metrics vLLM does not have are named `octavo:*`.
 
 Must not: import the engine or the server, or compute stats itself (callers hand them over).
@@ -120,6 +122,36 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 # vLLM's cache tiers a prefix hit can come from; octavo's prefix cache is the device's own.
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
+# vLLM's sleep states (awake, or asleep at level 1 or 2) and the buckets of how long one
+# sleep-mode operation ("sleep", "wake") took.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+SLEEP_MODE_OPERATION_BUCKETS_S = [0.01, 0.1, 1, 10, 30, 60, 120, 300, 600]
+
+# vLLM's buckets of a sampled KV block's lifetime, idle time and reuse gaps.
+KV_BLOCK_RESIDENCY_BUCKETS_S = [
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    20,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+    1800,
+]
+
 # A freeze is a recomputation plus a wait for room: from a blink to minutes.
 FREEZE_BUCKETS_S = [
     0.01,
@@ -175,9 +207,12 @@ class PrometheusStatLogger:
         max_model_len: int = 32768,
         cache_info: dict[str, str] | None = None,
         num_engines: int = 1,
+        kv_cache_metrics: bool = False,
     ) -> None:
         """cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
-        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine."""
+        num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine.
+        kv_cache_metrics: export the sampled KV blocks' residency histograms (vLLM's
+        --kv-cache-metrics; the engines' pools sample the blocks)."""
         self.registry = registry or CollectorRegistry()
         if registry is None:  # a registry of its own: the process's collectors join it
             ProcessCollector(registry=self.registry)
@@ -197,6 +232,7 @@ class PrometheusStatLogger:
                 {"model_name": model_name, "engine": str(index)},
                 max_model_len,
                 cache_info,
+                kv_cache_metrics,
             )
             for index in range(num_engines)
         ]
@@ -231,6 +267,7 @@ def stat_logger_for(config: EngineConfig, num_engines: int = 1) -> PrometheusSta
             "sliding_window": cache.sliding_window,
         },
         num_engines=num_engines,
+        kv_cache_metrics=cache.kv_cache_metrics_sample > 0,
     )
 
 
@@ -243,6 +280,7 @@ class _EngineMetrics:
         labels: dict[str, str],
         max_model_len: int,
         cache_info: dict[str, str] | None,
+        kv_cache_metrics: bool,
     ) -> None:
         def gauge(name: str, documentation: str) -> Gauge:
             return family(Gauge, name, documentation, LABEL_NAMES).labels(**labels)
@@ -275,6 +313,25 @@ class _EngineMetrics:
         }
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        sleep_state = family(
+            Gauge,
+            "vllm:engine_sleep_state",
+            "Engine sleep state: 1 for the state the engine is in (awake; asleep at level 1, "
+            "weights_offloaded; at level 2, discard_all), 0 for the others; all 0 at level 0.",
+            [*LABEL_NAMES, "sleep_state"],
+        )
+        self.engine_sleep_state = {
+            state: sleep_state.labels(**labels, sleep_state=state) for state in SLEEP_STATES
+        }
+        self.engine_sleep_state["awake"].set(1)
+        # As vLLM's, labelled by the operation only: its series appear once one has run.
+        self.sleep_mode_operation_duration = family(
+            Histogram,
+            "vllm:sleep_mode_operation_duration_seconds",
+            "Duration of one sleep-mode operation.",
+            ["operation"],
+            buckets=SLEEP_MODE_OPERATION_BUCKETS_S,
         )
         self.num_preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
@@ -409,6 +466,30 @@ class _EngineMetrics:
             "hits left out).",
             token_buckets,
         )
+        # Sampled KV blocks' residency, exported only where sampled, as vLLM's are.
+        self.kv_block_residency: tuple[Histogram, Histogram, Histogram] | None = None
+        if kv_cache_metrics:
+            self.kv_block_residency = (
+                histogram(
+                    "vllm:kv_block_lifetime_seconds",
+                    "Histogram of KV cache block lifetime from allocation to eviction. "
+                    "Sampled metrics (controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+                histogram(
+                    "vllm:kv_block_idle_before_evict_seconds",
+                    "Histogram of idle time before KV cache block eviction. Sampled metrics "
+                    "(controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+                histogram(
+                    "vllm:kv_block_reuse_gap_seconds",
+                    "Histogram of time gaps between consecutive KV cache block accesses. Only "
+                    "the most recent accesses are recorded (ring buffer). Sampled metrics "
+                    "(controlled by --kv-cache-metrics-sample).",
+                    KV_BLOCK_RESIDENCY_BUCKETS_S,
+                ),
+            )
         if cache_info is not None:
             # An info metric as vLLM exports it: a gauge at 1 whose labels are the settings.
             info = {**{k: str(v) for k, v in cache_info.items()}, "engine": labels["engine"]}
@@ -448,6 +529,10 @@ class _EngineMetrics:
             scheduler_stats.num_waiting_reqs - num_deferred
         )
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        level = scheduler_stats.sleep_level
+        self.engine_sleep_state["awake"].set(level is None)
+        self.engine_sleep_state["weights_offloaded"].set(level == 1)
+        self.engine_sleep_state["discard_all"].set(level == 2)
         self._record_scheduler_counters(scheduler_stats)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
@@ -487,6 +572,16 @@ class _EngineMetrics:
             self.request_params_n.observe(n)
         for num_tokens in iteration.max_num_generation_tokens:
             self.request_max_num_generation_tokens.observe(num_tokens)
+        if self.kv_block_residency is not None:
+            lifetime, idle, reuse_gap = self.kv_block_residency
+            for seconds in iteration.kv_block_lifetimes_s:
+                lifetime.observe(seconds)
+            for seconds in iteration.kv_block_idle_before_evict_s:
+                idle.observe(seconds)
+            for seconds in iteration.kv_block_reuse_gaps_s:
+                reuse_gap.observe(seconds)
+        for operation, duration_s in iteration.sleep_mode_operations_s:
+            self.sleep_mode_operation_duration.labels(operation=operation).observe(duration_s)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         success = self.request_success.get(finished.finish_reason)

@@ -9,11 +9,22 @@ Times are seconds from `time.monotonic()`, measured by the engine (never by `cor
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from octavo.core.request import FinishReason
+
+
+class KVBlockEvent(enum.IntEnum):
+    """What the block pool reports of a KV block it samples for residency metrics (vLLM's
+    --kv-cache-metrics): taken for new data, found by a prefix-cache hit, taken again for
+    other data (the end of its sampled life, which vLLM calls its eviction)."""
+
+    ALLOCATED = 0
+    ACCESSED = 1
+    EVICTED = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +46,10 @@ class SchedulerStats:
     # Of the waiting ones, those held back by something other than room: a structured-output
     # grammar still compiling (vLLM's `deferred` reason; the others wait for `capacity`).
     num_deferred_reqs: int = 0
+    # None while the engine is awake; else the level of the sleep it is in (vLLM's sleep
+    # mode: 0 pauses the steps, 1 also releases the KV cache, 2 the weights too). It stays
+    # asleep, at that level, until wake_up has restored everything.
+    sleep_level: int | None = None
 
     @classmethod
     def combined(cls, stats: list[SchedulerStats]) -> SchedulerStats:
@@ -55,6 +70,9 @@ class SchedulerStats:
             num_free_blocks=sum(s.num_free_blocks for s in stats),
             num_blocks=num_blocks,
             num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
+            sleep_level=max(
+                (s.sleep_level for s in stats if s.sleep_level is not None), default=None
+            ),
         )
 
 
@@ -113,6 +131,14 @@ class IterationStats:
     # tokens one of its streams generated. The frontend adds these (it owns the fan-out).
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
+    # Sampled KV blocks whose life ended (taken again for other data): allocation -> end,
+    # last access (allocation or prefix hit) -> end, and the gaps between its last few prefix
+    # hits (vLLM's vllm:kv_block_* histograms).
+    kv_block_lifetimes_s: list[float] = field(default_factory=list)
+    kv_block_idle_before_evict_s: list[float] = field(default_factory=list)
+    kv_block_reuse_gaps_s: list[float] = field(default_factory=list)
+    # Sleep-mode operations done since the last snapshot: ("sleep" or "wake", seconds taken).
+    sleep_mode_operations_s: list[tuple[str, float]] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

@@ -3,20 +3,25 @@
 The engine tells it, with the time of each event, when a request arrives, is first scheduled,
 is evicted, gets tokens and finishes; the tracker turns that into time to first token, gaps
 between tokens, each eviction's freeze (eviction -> the request's next token), and one
-IterationStats per step with a FinishedRequestStats per finished request.
+IterationStats per step with a FinishedRequestStats per finished request. It does the same
+for the KV blocks the pool samples (KVBlockEvent): lifetime, idle time and reuse gaps.
 
 A leaf like `metrics.stats`: it reads no clock (every time is an argument, so tests give
 exact ones) and knows nothing of the scheduler or of Prometheus. Single-threaded: only the
-engine thread calls it. It keeps state only for unfinished requests.
+engine thread calls it. It keeps state only for unfinished requests and live sampled blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from octavo.core.request import FinishReason
-from octavo.metrics.stats import FinishedRequestStats, IterationStats
+from octavo.metrics.stats import FinishedRequestStats, IterationStats, KVBlockEvent
+
+# Prefix hits of a sampled block whose gaps are kept (vLLM keeps the last four accesses).
+_NUM_KEPT_ACCESSES = 4
 
 
 @dataclass(slots=True)
@@ -39,9 +44,20 @@ class _RequestTimes:
     eviction_freezes_s: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _BlockTimes:
+    """One sampled KV block's life so far (vLLM's BlockMetricsState)."""
+
+    allocation_time: float
+    last_access_time: float
+    # Its last prefix hits, oldest first (the allocation is not one).
+    access_times: list[float] = field(default_factory=list)
+
+
 class RequestStatsTracker:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestTimes] = {}
+        self._blocks: dict[int, _BlockTimes] = {}
         self._iteration = IterationStats()
 
     def __len__(self) -> int:
@@ -126,6 +142,32 @@ class RequestStatsTracker:
                 num_cached_tokens=times.num_cached_tokens,
             )
         )
+
+    def record_block_events(self, events: Iterable[tuple[KVBlockEvent, int]], now: float) -> None:
+        """The block pool's (event, block id) of sampled blocks, all at `now`. A block's life
+        ends when it is taken for other data: its lifetime, its idle time since its last
+        access and the gaps between its kept prefix hits go to the iteration."""
+        for event, block_id in events:
+            if event is KVBlockEvent.ALLOCATED:
+                self._blocks[block_id] = _BlockTimes(now, now)
+                continue
+            times = self._blocks.get(block_id)
+            if times is None:
+                continue
+            if event is KVBlockEvent.ACCESSED:
+                times.last_access_time = now
+                times.access_times = [*times.access_times, now][-_NUM_KEPT_ACCESSES:]
+            else:
+                del self._blocks[block_id]
+                iteration = self._iteration
+                iteration.kv_block_lifetimes_s.append(now - times.allocation_time)
+                iteration.kv_block_idle_before_evict_s.append(now - times.last_access_time)
+                hits = times.access_times
+                iteration.kv_block_reuse_gaps_s.extend(b - a for a, b in pairwise(hits))
+
+    def record_sleep_mode_operation(self, operation: str, duration_s: float) -> None:
+        """A sleep or a wake-up of the engine ("sleep" / "wake") and how long it took."""
+        self._iteration.sleep_mode_operations_s.append((operation, duration_s))
 
     def take_iteration_stats(self, num_scheduled_tokens: int = 0) -> IterationStats:
         """Everything recorded since the last call, as one IterationStats; starts a new one."""

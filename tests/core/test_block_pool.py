@@ -10,6 +10,7 @@ import pytest
 
 from octavo.core.block_hash import ROOT_BLOCK_HASH, extend_block_hashes, hash_block_tokens
 from octavo.core.block_pool import Block, BlockPool, FreeBlockQueue
+from octavo.metrics.stats import KVBlockEvent
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
@@ -227,3 +228,37 @@ def test_check_integrity_catches_a_leak() -> None:
     pool.free_blocks([block])
     pool.check_integrity()
     assert pool.get_num_free_blocks() == 3
+
+
+def test_residency_sampling_reports_a_share_of_the_blocks_lives() -> None:
+    """With half the allocations sampled, every other block taken starts a sampled life; a
+    prefix hit on one is an access, and taking it again for other data ends its life. Without
+    sampling, nothing is reported."""
+    pool = BlockPool(4, enable_caching=True, residency_sample=0.5)
+    blocks = pool.get_new_blocks(4)  # the 2nd and 4th allocations are sampled
+    hashes = cache(pool, blocks, 0)
+    assert pool.take_residency_events() == [
+        (KVBlockEvent.ALLOCATED, 1),
+        (KVBlockEvent.ALLOCATED, 3),
+    ]
+    pool.free_blocks(reversed(blocks))
+    assert queue_ids(pool) == [3, 2, 1, 0]
+    pool.touch([pool.get_cached_block(hashes[1], (4, 5, 6, 7))])
+    pool.touch([pool.get_cached_block(hashes[0], (0, 1, 2, 3))])  # not sampled
+    assert pool.take_residency_events() == [(KVBlockEvent.ACCESSED, 1)]
+    taken = pool.get_new_blocks(2)  # 3 (sampled: its life ends) and 2, newly sampled
+    assert [b.block_id for b in taken] == [3, 2]
+    assert pool.take_residency_events() == [
+        (KVBlockEvent.EVICTED, 3),
+        (KVBlockEvent.ALLOCATED, 2),
+    ]
+    assert pool.take_residency_events() == []
+    pool.free_blocks([*taken, blocks[1], blocks[0]])
+    pool.check_integrity()
+
+    unsampled = BlockPool(4, enable_caching=True)
+    unsampled.free_blocks(unsampled.get_new_blocks(4))
+    unsampled.get_new_blocks(4)
+    assert unsampled.take_residency_events() == []
+    with pytest.raises(ValueError, match="residency_sample"):
+        BlockPool(4, enable_caching=True, residency_sample=1.5)

@@ -46,6 +46,8 @@ EXPECTED_TYPES = {
     "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:request_prefill_kv_computed_tokens": "histogram",
     "vllm:cache_config_info": "gauge",
+    "vllm:engine_sleep_state": "gauge",
+    "vllm:sleep_mode_operation_duration_seconds": "histogram",
     "process_resident_memory_bytes": "gauge",
     "python_info": "gauge",
     "octavo:request_max_token_gap_seconds": "histogram",
@@ -202,6 +204,63 @@ def test_record_turns_stats_into_increments() -> None:
     assert value("vllm:request_num_preemptions_bucket", {**MODEL, "le": "1.0"}) == 3
 
 
+def test_sleep_state_and_sleep_mode_operations() -> None:
+    """engine_sleep_state follows the snapshots' sleep level as vLLM's states name it;
+    operation durations are labelled by the operation only, as vLLM's are."""
+    logger = PrometheusStatLogger("m")
+    value = logger.registry.get_sample_value
+
+    def states() -> tuple[float | None, ...]:
+        return tuple(
+            value("vllm:engine_sleep_state", {**MODEL, "sleep_state": state})
+            for state in ("awake", "weights_offloaded", "discard_all")
+        )
+
+    assert states() == (1, 0, 0)
+    assert value("vllm:sleep_mode_operation_duration_seconds_count", {"operation": "sleep"}) is None
+    logger.record(
+        SchedulerStats(sleep_level=2),
+        IterationStats(sleep_mode_operations_s=[("sleep", 0.5)]),
+    )
+    assert states() == (0, 0, 1)
+    logger.record(SchedulerStats(sleep_level=1))
+    assert states() == (0, 1, 0)
+    logger.record(SchedulerStats(sleep_level=0))
+    assert states() == (0, 0, 0)
+    logger.record(SchedulerStats(), IterationStats(sleep_mode_operations_s=[("wake", 20.0)]))
+    assert states() == (1, 0, 0)
+    duration = "vllm:sleep_mode_operation_duration_seconds"
+    assert value(f"{duration}_sum", {"operation": "sleep"}) == 0.5
+    assert value(f"{duration}_bucket", {"operation": "wake", "le": "10.0"}) == 0
+    assert value(f"{duration}_bucket", {"operation": "wake", "le": "30.0"}) == 1
+
+
+def test_kv_block_residency_only_where_sampled() -> None:
+    """vLLM's three residency histograms, with its buckets, exist only with kv_cache_metrics
+    (--kv-cache-metrics) and take the iteration's sampled lives."""
+    names = ("lifetime", "idle_before_evict", "reuse_gap")
+    assert not any(
+        f"vllm:kv_block_{name}_seconds" in PrometheusStatLogger("m").render().decode()
+        for name in names
+    )
+    logger = PrometheusStatLogger("m", kv_cache_metrics=True)
+    value = logger.registry.get_sample_value
+    assert all(value(f"vllm:kv_block_{name}_seconds_count", MODEL) == 0 for name in names)
+    logger.record(
+        SchedulerStats(),
+        IterationStats(
+            kv_block_lifetimes_s=[7.0, 0.0015],
+            kv_block_idle_before_evict_s=[2.0, 0.0015],
+            kv_block_reuse_gaps_s=[1.5, 0.5, 1.5],
+        ),
+    )
+    assert value("vllm:kv_block_lifetime_seconds_sum", MODEL) == pytest.approx(7.0015)
+    assert value("vllm:kv_block_lifetime_seconds_bucket", {**MODEL, "le": "0.002"}) == 1
+    assert value("vllm:kv_block_idle_before_evict_seconds_count", MODEL) == 2
+    assert value("vllm:kv_block_reuse_gap_seconds_bucket", {**MODEL, "le": "1.0"}) == 1
+    assert value("vllm:kv_block_reuse_gap_seconds_bucket", {**MODEL, "le": "1800.0"}) == 3
+
+
 def test_each_engine_has_its_own_series_in_one_family() -> None:
     cache = {"block_size": "16", "num_gpu_blocks": "64"}
     logger = PrometheusStatLogger("m", cache_info=cache, num_engines=2)
@@ -232,6 +291,9 @@ def test_combined_scheduler_stats_add_up_and_weigh_usage_by_blocks() -> None:
     )
     assert combined == SchedulerStats(3, 1, (50 + 75) / 400, 1, 50, 16, 275, 400)
     assert SchedulerStats.combined([]) == SchedulerStats()
+    # Asleep if any is, at the deepest level among them.
+    asleep = [SchedulerStats(sleep_level=1), SchedulerStats(), SchedulerStats(sleep_level=0)]
+    assert SchedulerStats.combined(asleep).sleep_level == 1
 
 
 def test_buckets() -> None:

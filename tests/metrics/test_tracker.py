@@ -3,7 +3,7 @@ TTFT, gaps, evictions and their freezes, and the finished-request record."""
 
 from __future__ import annotations
 
-from octavo.metrics.stats import FinishedRequestStats, IterationStats
+from octavo.metrics.stats import FinishedRequestStats, IterationStats, KVBlockEvent
 from octavo.metrics.tracker import RequestStatsTracker
 
 
@@ -109,3 +109,21 @@ def test_two_evictions_before_a_token_and_a_request_without_tokens() -> None:
     # Never scheduled: it queued until the abort; no token, no TTFT.
     assert (w.ttft_s, w.queue_time_s, w.e2e_latency_s, w.prefill_time_s) == (None, 3.0, 3.0, 0.0)
     assert w.num_generation_tokens == 0 and iteration.num_prompt_tokens == 4
+
+
+def test_sampled_block_lives() -> None:
+    """Block 7 is allocated at 1.0, hit at 2.0, 2.5, 4.0, 4.5 and 6.0 (the last four hits are
+    kept), and taken for other data at 8.0: lifetime 7, idle 2, gaps between the kept hits.
+    Block 3's life has not ended, and events of an unknown block are ignored."""
+    tracker = RequestStatsTracker()
+    tracker.record_block_events([(KVBlockEvent.ALLOCATED, 7), (KVBlockEvent.ACCESSED, 9)], 1.0)
+    tracker.record_block_events([(KVBlockEvent.ACCESSED, 7), (KVBlockEvent.ALLOCATED, 3)], 2.0)
+    for now in (2.5, 4.0, 4.5, 6.0):
+        tracker.record_block_events([(KVBlockEvent.ACCESSED, 7)], now)
+    assert tracker.take_iteration_stats() == IterationStats()
+    tracker.record_block_events([(KVBlockEvent.EVICTED, 7), (KVBlockEvent.EVICTED, 9)], 8.0)
+    assert tracker.take_iteration_stats() == IterationStats(
+        kv_block_lifetimes_s=[7.0],
+        kv_block_idle_before_evict_s=[2.0],
+        kv_block_reuse_gaps_s=[1.5, 0.5, 1.5],
+    )

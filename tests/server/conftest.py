@@ -100,6 +100,8 @@ def server() -> Iterator[RunningServer]:
             seed=0,
             packed_max_rows=PACKED_MAX_ROWS,
             enable_sleep_mode=True,
+            # vllm:kv_block_* (the KV cache dashboard reads them) are exported with it.
+            kv_cache_metrics=True,
             profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir},
         )
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -60,6 +61,12 @@ class FakeRunner:
                 sampled.append([])
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
 
+    def sleep(self, level: int) -> None:
+        """Nothing to release: the core has ended every request."""
+
+    def wake_up(self, tags) -> None:
+        pass
+
 
 def word_tokenizer() -> Tokenizer:
     """Token i is the word "t{i}"; decoding joins words with spaces."""
@@ -69,7 +76,12 @@ def word_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_engine(request_log: str | None, admission: str = "current") -> LLMEngine:
+def make_engine(
+    request_log: str | None,
+    admission: str = "current",
+    enable_sleep_mode: bool = False,
+    kv_cache_metrics_sample: float = 0.0,
+) -> LLMEngine:
     """10 blocks of 4 tokens, the scheduler tests' pool."""
     config = EngineConfig(
         model=MODEL,
@@ -78,9 +90,12 @@ def make_engine(request_log: str | None, admission: str = "current") -> LLMEngin
         dtype_reason="test",
         device="cpu",
         seed=0,
-        cache=CacheConfig(block_size=4, num_blocks=10),
+        cache=CacheConfig(
+            block_size=4, num_blocks=10, kv_cache_metrics_sample=kv_cache_metrics_sample
+        ),
         scheduler=SchedulerConfig(16, 64, 64, admission=admission),
         request_log=request_log,
+        enable_sleep_mode=enable_sleep_mode,
     )
     return LLMEngine(config, FakeRunner(), word_tokenizer(), (EOS_TOKEN_ID,))
 
@@ -269,6 +284,67 @@ def test_preemptions_by_policy(admission: str, num_preemptions: int) -> None:
     assert len(engine.stats_tracker) == 0
 
 
+def test_sleep_state_and_operations_through_the_engine() -> None:
+    """sleep(1) aborts the running request and shows at once, without a step: the engine is
+    asleep with its weights "offloaded" (vLLM's level-1 state), and one sleep took some time.
+    After wake_up it is awake again, and one wake-up is counted."""
+    engine = make_engine(None, enable_sleep_mode=True)
+    app = make_server_app(engine, ServerConfig())
+
+    def state(values: dict[str, float]) -> tuple[float, ...]:
+        return tuple(
+            values[series("vllm:engine_sleep_state", sleep_state=s)]
+            for s in ("awake", "weights_offloaded", "discard_all")
+        )
+
+    def operations(values: dict[str, float], operation: str) -> float:
+        name = "vllm:sleep_mode_operation_duration_seconds_count"
+        return values.get(f'{name}{{operation="{operation}"}}', 0)
+
+    values, types = scrape(app)
+    assert state(values) == (1, 0, 0) and operations(values, "sleep") == 0
+    engine.add_request("a", list(range(10, 19)), SamplingParams(max_tokens=8))
+    engine.step()
+    engine.sleep(1)
+    values, types = scrape(app)
+    assert state(values) == (0, 1, 0)
+    assert (operations(values, "sleep"), operations(values, "wake")) == (1, 0)
+    assert values[series("vllm:request_success_total", finished_reason="abort")] == 1
+    assert types["vllm:sleep_mode_operation_duration_seconds"] == "histogram"
+    engine.wake_up()
+    values, _ = scrape(app)
+    assert state(values) == (1, 0, 0)
+    assert (operations(values, "sleep"), operations(values, "wake")) == (1, 1)
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
+
+
+def test_kv_block_residency_through_the_engine() -> None:
+    """Every block sampled. a (9 prompt tokens, 2 answer tokens) takes blocks 0, 1, 2; its two
+    full prompt blocks stay cached, and b and c, the same prompt, hit them (block 1: two hits,
+    one reuse gap) and take block 2 again for their last token (two lives of block 2 end).
+    d's 33-token prompt takes the 9 blocks 2-9 and 1: block 2's third life and block 1's
+    end. Ends: 4 lives (lifetime and idle time each), 1 gap; block 0 still lives."""
+    engine = make_engine(None, kv_cache_metrics_sample=1.0)
+    app = make_server_app(engine, ServerConfig())
+    prompt = list(range(10, 19))
+    for request_id in ("a", "b", "c"):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))
+        run_to_completion(engine)
+    engine.add_request("d", list(range(20, 53)), SamplingParams(max_tokens=1))
+    run_to_completion(engine)
+    engine.scheduler.check_integrity()
+    values, types = scrape(app)
+    assert values[series("vllm:prefix_cache_hits_total")] == 16
+    for name, count in (("lifetime", 4), ("idle_before_evict", 4), ("reuse_gap", 1)):
+        assert types[f"vllm:kv_block_{name}_seconds"] == "histogram"
+        assert values[series(f"vllm:kv_block_{name}_seconds_count")] == count, name
+    # Off by default: none of them is exported.
+    assert not any(
+        "kv_block" in key for key in scrape(make_server_app(make_engine(None), ServerConfig()))[0]
+    )
+
+
 # The shared server's model name and every metric family it must expose, with its type.
 SERVER_MODEL = "SmolLM2-135M-Instruct"
 FAMILIES = {
@@ -358,17 +434,30 @@ DASHBOARD_SERIES = Path(__file__).parents[1] / "data" / "vllm_dashboard_series.j
 
 
 def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
-    """After a request, /metrics serves every series named by the PromQL of vLLM's example
-    dashboards, labelled with the model and the engine, with each label value a query
-    filters on (finished_reason="error", reason="deferred", a TTFT bucket bound, ...). A
-    series that cannot mean anything here must say why in the data, not be skipped."""
+    """After a request and a sleep (level 0) and wake-up, /metrics serves every series named
+    by the PromQL of vLLM's example dashboards, labelled with the model and the engine (or
+    with vLLM's own labels where the data names them), with each label value a query filters
+    on (finished_reason="error", reason="deferred", sleep_state="discard_all", a TTFT bucket
+    bound, ...). A series that cannot mean anything here must say why in the data, not be
+    skipped."""
     body = {"model": SERVER_MODEL, "prompt": "Count: one two", "max_tokens": 3, "ignore_eos": True}
     assert http.post("/v1/completions", json=body).status_code == 200
     server.wait_idle()
+    assert http.post("/sleep?level=0").status_code == 200
+    assert http.post("/wake_up").status_code == 200
     samples: dict[str, list[dict[str, str]]] = defaultdict(list)
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            samples[sample.name].append(sample.labels)
+    deadline = time.monotonic() + 30
+    # The engine core's stats after the wake-up reach /metrics a moment after its reply.
+    while not any(
+        s.get("operation") == "wake"
+        for s in samples["vllm:sleep_mode_operation_duration_seconds_count"]
+    ):
+        assert time.monotonic() < deadline, "no wake-up at /metrics"
+        time.sleep(0.05)
+        samples.clear()
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for sample in family.samples:
+                samples[sample.name].append(sample.labels)
 
     data = json.loads(DASHBOARD_SERIES.read_text())
     assert data["dashboards"] and data["series"]
@@ -382,8 +471,11 @@ def test_every_series_vllms_dashboards_read_is_served(server, http) -> None:
             missing.append(name)
             continue
         labels = samples[name]
+        wanted = {"model_name": SERVER_MODEL, "engine": "0"}
+        required = entry.get("labels", list(wanted))
         if name.startswith("vllm:") and not any(
-            s.get("model_name") == SERVER_MODEL and s.get("engine") == "0" for s in labels
+            all(label in s and wanted.get(label, s[label]) == s[label] for label in required)
+            for s in labels
         ):
             unlabelled.append(name)
         for label, values in entry.get("label_values", {}).items():
