@@ -43,6 +43,7 @@ def test_a_request_beyond_max_num_queued_reqs_gets_503_while_the_others_complete
                 body = {"prompt": "the cat", "max_tokens": 2, "stream": stream}
                 response = client.post(COMPLETIONS, json=body)
                 assert response.status_code == 503, response.text
+                assert response.headers["retry-after"] == "1"
                 assert time.monotonic() - started < 1.0  # at once, not after the running one
                 error = response.json()["error"]
                 assert error["type"] == "server_error"

@@ -41,13 +41,20 @@ _ERROR_TYPES = {
 
 class OpenAIError(Exception):
     def __init__(
-        self, status_code: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        # Response headers beside the error body (a shed request's Retry-After).
+        self.headers = headers or {}
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -69,7 +76,9 @@ def error_body(
 
 def error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(
-        error_body(exc.status_code, exc.message, exc.param, exc.code), status_code=exc.status_code
+        error_body(exc.status_code, exc.message, exc.param, exc.code),
+        status_code=exc.status_code,
+        headers=exc.headers or None,
     )
 
 

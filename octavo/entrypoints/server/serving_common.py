@@ -58,6 +58,10 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"promp
 # clipped, parsed or checked against the model); every other one is copied by name.
 _DERIVED_FIELDS = {"max_tokens", "logprobs", "logit_bias", "top_k", "structured_outputs"}
 
+# Seconds a request shed by the queue bounds is told to wait before it retries (Retry-After):
+# one second, about what the engine takes to finish a few steps of the requests ahead of it.
+SHED_RETRY_AFTER_S = 1
+
 
 @dataclass(frozen=True)
 class ServingContext:
@@ -305,7 +309,10 @@ def engine_error_to_openai(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, ValueError):
         return from_value_error(exc, SAMPLING_FIELDS, {})
-    if isinstance(exc, (EngineDeadError, QueueOverflowError)):
+    if isinstance(exc, QueueOverflowError):
+        # Shed before admission: the client may come back (DESIGN.md's rule for shedding).
+        return OpenAIError(503, str(exc), headers={"Retry-After": str(SHED_RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc))
     if isinstance(exc, (EngineStepError, EngineRequestError)):
         return OpenAIError(500, str(exc))
