@@ -202,7 +202,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "trust_remote_code": _no(
         "octavo runs no code from a checkpoint: every architecture it serves is its own"
     ),
-    "hf_config_path": _refused("a config.json from elsewhere than the model: " + DROP_IN),
     "allowed_local_media_path": _no(TEXT_ONLY),
     "allowed_media_domains": _no(TEXT_ONLY),
     "code_revision": _no("octavo runs no code from a checkpoint"),
@@ -225,8 +224,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "skip_tokenizer_init": _refused("token-id-only serving: " + API),
     "enable_prompt_embeds": _refused("prompt embeddings as input: " + API),
     "config_format": _no("octavo reads config.json or the GGUF's metadata, whichever is given"),
-    "hf_token": _refused("Hugging Face Hub downloads: " + DROP_IN),
-    "hf_overrides": _refused("config overrides: " + DROP_IN),
     "model_class_overrides": _refused("model class overrides: octavo's models are its own"),
     "sleep_mode_offload_cudagraph": _no(CPU_ONLY),
     "sleep_preserve_parameter_names": _no(
