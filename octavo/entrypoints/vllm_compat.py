@@ -309,11 +309,7 @@ DISPOSITIONS: dict[str, Disposition] = {
         "octavo passes message content to the chat template as the template expects it "
         "(strings for text-only templates)"
     ),
-    "trust_request_chat_template": _refused("a chat template in the request: " + DROP_IN),
     "trust_request_mm_kwargs": _no(TEXT_ONLY),
-    "exclude_tools_when_tool_choice_none": _refused(
-        "leaving tools out of the prompt under tool_choice none: " + DROP_IN
-    ),
     "tool_parser_plugin": _refused("tool parser plugins: " + NOT_PLANNED),
     "tool_strict_level": _no("octavo checks tool calls against their schema as it parses them"),
     "tool_server": _refused("built-in tool servers (the Responses API): " + API),
@@ -323,7 +319,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "enable_per_request_metrics": _no(METRICS),
     "enable_server_load_tracking": _no(METRICS),
     "sse_keep_alive_interval": _no("octavo's streams send each token as it comes"),
-    "enable_tokenizer_info_endpoint": _refused("/tokenizer_info: " + DROP_IN),
     "cohere_is_reasoning_model": _refused("the Cohere API: " + NOT_PLANNED),
     "cohere_format": _refused("the Cohere API: " + NOT_PLANNED),
     "anthropic_disabled_thinking_effort": _no(
@@ -339,7 +334,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "dp_supervisor_probe_interval_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_timeout_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_failure_threshold": _no(ONE_PROCESS),
-    "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
     "enable_ssl_refresh": _refused("reloading HTTPS certificates while serving: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),
     "h11_max_incomplete_event_size": _no(

@@ -5,6 +5,9 @@
   `HeadTimeoutH11Protocol` closes a connection whose request line and headers are not all in
   within `header_read_timeout_s` (for its first request, and for each next one on a
   keep-alive connection once bytes of it arrive). The body has its own timeout, in the app.
+- Per-endpoint access logs (vLLM's --disable-access-log-for-endpoints): `AccessLogFilter`
+  drops uvicorn's access-log line of a request to one of the paths given (health checks,
+  metrics scrapes), whatever its query string.
 - Streams that outlive the shutdown grace period: uvicorn cancels their tasks when it ends,
   which cuts the connection mid-event. `Server.shutdown` asks the engine, just before that
   deadline, to end every request still running, so each stream sends an error event and
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -75,12 +80,44 @@ class HeadTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
 
-class Server(uvicorn.Server):
-    """uvicorn.Server that ends the engine's requests just before the shutdown deadline."""
+ACCESS_LOGGER = "uvicorn.access"
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+
+class AccessLogFilter(logging.Filter):
+    """Drops uvicorn's access-log records of requests to `paths`. uvicorn logs each request
+    with args (client, method, path with query string, HTTP version, status)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.name != ACCESS_LOGGER or not isinstance(args, tuple) or len(args) < 3:
+            return True
+        return urlsplit(str(args[2])).path not in self.paths
+
+
+def access_log_paths(text: str | None) -> tuple[str, ...]:
+    """--disable-access-log-for-endpoints: comma-separated paths, e.g. /health,/metrics."""
+    return tuple(path.strip() for path in (text or "").split(",") if path.strip())
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that ends the engine's requests just before the shutdown deadline, and
+    holds its access-log filter (if any) on uvicorn's access logger while it lives."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        async_engine: AsyncEngine,
+        access_log_filter: AccessLogFilter | None = None,
+    ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.access_log_filter = access_log_filter
+        if access_log_filter is not None:
+            logging.getLogger(ACCESS_LOGGER).addFilter(access_log_filter)
 
     async def shutdown(self, sockets: Any = None) -> None:
         grace_s = self.config.timeout_graceful_shutdown
@@ -96,6 +133,8 @@ class Server(uvicorn.Server):
         finally:
             if handle is not None:
                 handle.cancel()
+            if self.access_log_filter is not None:
+                logging.getLogger(ACCESS_LOGGER).removeFilter(self.access_log_filter)
 
 
 def make_server(
@@ -127,4 +166,5 @@ def make_server(
             timeout_graceful_shutdown=config.shutdown_timeout_s,
         ),
         async_engine,
+        AccessLogFilter(paths) if (paths := config.disable_access_log_for_endpoints) else None,
     )
