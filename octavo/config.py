@@ -232,6 +232,10 @@ class EngineConfig:
     # Where the tokenizer and its chat template are loaded from (--tokenizer, resolved to a
     # folder or a .gguf file); "": the model's path.
     tokenizer: str = ""
+    # The folder whose config.json replaces the model's (--hf-config-path, resolved; "": the
+    # model's), and the keys that replace the config's (--hf-overrides).
+    hf_config_path: str = ""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     # --generation-config as given, and --override-generation-config's keys (Hugging Face's
     # names); the server's max_tokens rule tells them apart (sampling_max_tokens_cap).
     generation_config: str = "auto"
@@ -294,12 +298,15 @@ def setting(
     short: str | None = None,
     parse: Callable[[str], Any] | None = None,
     nargs: str | None = None,
+    const: Any = None,
 ) -> Any:
     """An EngineArgs field: its default, the help text its flag shows, the values it takes (a
     sequence, or a function giving them where they live in another module), whether it is a
     flag at all, its short spelling (vLLM's `-q`), how its value is parsed where that is not
-    the field's type (vLLM's `4k`), and argparse's nargs (several values)."""
+    the field's type (vLLM's `4k`), argparse's nargs (several values, or "?": an optional
+    one) and the value of the flag given without one (nargs "?")."""
     metadata = {
+        "const": const,
         "help": help,
         "choices": choices,
         "metavar": metavar,
@@ -390,6 +397,28 @@ class EngineArgs:
     tokenizer_revision: str | None = setting(
         None,
         "the branch, tag or commit of a Hub id --tokenizer (default: --revision)",
+    )
+    hf_token: str | bool | None = setting(
+        None,
+        "the Hugging Face token that Hub downloads (the model, --tokenizer, --hf-config-path, "
+        "--generation-config) are made with; the flag alone: the one `hf auth login` stored "
+        "(default: HF_TOKEN, else the stored one)",
+        metavar="TOKEN",
+        nargs="?",
+        const=True,
+    )
+    hf_config_path: str | None = setting(
+        None,
+        "read config.json from this HF folder or Hub id (at --revision) instead of the model's",
+        metavar="NAME_OR_PATH",
+    )
+    hf_overrides: dict[str, Any] | None = setting(
+        None,
+        "a JSON object of keys that replace those of the model's config.json before octavo "
+        "reads it, e.g. '{\"max_position_embeddings\": 4096}' (a *_config sub-config's keys "
+        "are replaced one by one)",
+        metavar="JSON",
+        parse=json_object_flag("hf_overrides"),
     )
     served_model_name: str | list[str] | None = setting(
         None,
@@ -611,6 +640,14 @@ class EngineArgs:
             )
         if not self.generation_config:
             raise ValueError("generation_config must be auto, vllm or a folder; got ''.")
+        if isinstance(self.hf_overrides, str):  # LLM(...) may pass vLLM's JSON
+            self.hf_overrides = json_object(self.hf_overrides, "hf_overrides")
+        if not isinstance(self.hf_overrides, (dict, type(None))):
+            raise ValueError(
+                "hf_overrides must be a dict (a JSON object) of config.json keys; got "
+                f"{type(self.hf_overrides).__name__} (a function of the config is not "
+                "supported)."
+            )
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             setattr(self, name, DTYPE_ALIASES.get(value, value))
@@ -732,6 +769,8 @@ class EngineArgs:
                     options["metavar"] = f.metadata["metavar"]
                 if f.metadata["nargs"]:
                     options["nargs"] = f.metadata["nargs"]
+                if f.metadata["const"] is not None:
+                    options["const"] = f.metadata["const"]
             group.add_argument(*flags, **options)
 
     @classmethod
@@ -753,9 +792,11 @@ class EngineArgs:
         *,
         tokenizer_path: str = "",
         generation_defaults: Mapping[str, Any] | None = None,
+        hf_config_path: str = "",
     ) -> EngineConfig:
         """Every effective setting for this machine and model (whose weight files hold
         weight_bytes). `tokenizer_path`: the resolved --tokenizer ("": the model's);
+        `hf_config_path`: the resolved --hf-config-path ("": the model's config.json);
         `generation_defaults`: the sampling defaults of a --generation-config folder (None:
         the model's own, model_config.sampling_defaults). Raises ValueError naming the setting
         when the capacity asked for cannot hold what is asked of it."""
@@ -862,6 +903,8 @@ class EngineArgs:
                 else self.distributed_executor_backend
             ),
             tokenizer=tokenizer_path,
+            hf_config_path=hf_config_path,
+            hf_overrides=dict(self.hf_overrides or {}),
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             sampling_defaults=self._sampling_defaults(model_config, generation_defaults),

@@ -300,6 +300,7 @@ def build_core_parts(
         facts.weight_bytes,
         tokenizer_path=facts.tokenizer_path,
         generation_defaults=facts.generation_defaults,
+        hf_config_path=facts.hf_config_path,
     )
     runner, backend, config = build_model_runner(config)
     config = dataclasses.replace(config, backend_choices=backend.describe())

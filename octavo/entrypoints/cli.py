@@ -80,6 +80,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
     group.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help="comma-separated paths whose requests get no access-log line, e.g. "
+        "/health,/metrics (the query string aside)",
+    )
+    group.add_argument(
         "--root-path",
         default="",
         help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)",
@@ -130,6 +137,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(for tokens whose text is not valid UTF-8 on its own)",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a chat request (or /tokenize) bring its own chat_template, a Jinja template "
+        "the server runs (default: such a request is refused with 400)",
+    )
+    group.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve GET /tokenizer_info: the tokenizer's configuration (its "
+        "tokenizer_config.json, special tokens, the --chat-template if set)",
+    )
+    group.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="give every response an X-Request-Id header (the request's own, or a new one)",
@@ -162,6 +183,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help='allow tool_choice "auto" (the default when a request has tools); '
         "needs --tool-call-parser",
+    )
+    group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='leave a request\'s tools out of the prompt when its tool_choice is "none" '
+        "(default: the chat template renders them, and the output is plain content)",
     )
     limits = parser.add_argument_group("server limits")
     limits.add_argument(
@@ -259,6 +287,7 @@ def dev_mode_from_environment() -> bool:
 
 def server_config_from(ns: argparse.Namespace):
     from octavo.entrypoints.server.app import ServerConfig
+    from octavo.entrypoints.server.http_server import access_log_paths
 
     return ServerConfig(
         host=ns.host,
@@ -271,6 +300,7 @@ def server_config_from(ns: argparse.Namespace):
         allow_credentials=ns.allow_credentials,
         uvicorn_log_level=ns.uvicorn_log_level,
         disable_uvicorn_access_log=ns.disable_uvicorn_access_log,
+        disable_access_log_for_endpoints=access_log_paths(ns.disable_access_log_for_endpoints),
         root_path=ns.root_path,
         ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile,
@@ -283,9 +313,12 @@ def server_config_from(ns: argparse.Namespace):
         enable_force_include_usage=ns.enable_force_include_usage,
         default_chat_template_kwargs=ns.default_chat_template_kwargs,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
         enable_request_id_headers=ns.enable_request_id_headers,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         max_request_body_bytes=ns.max_request_body_bytes,
         max_sequences_per_request=ns.max_sequences_per_request,
         header_read_timeout_s=ns.header_read_timeout,

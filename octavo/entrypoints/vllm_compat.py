@@ -33,8 +33,10 @@ NO_EFFECT = "no effect"
 REFUSED = "refused"
 
 # The issues that will add what a refused flag asks for.
-SCALE_OUT = "issue 26 (engine-core process, data and tensor parallelism)"
-DROP_IN = "issue 27 (the rest of vLLM's launch surface)"
+SCALE_OUT = (
+    "not in octavo's process layout (one API server; engine cores with data and tensor "
+    "parallelism, on one machine or over Ray), and no issue plans it yet"
+)
 API = "issue 28 (the rest of vLLM's serving API)"
 SPECULATIVE = "issue 29 (speculative decoding)"
 NOT_PLANNED = "not implemented, and no issue plans it yet"
@@ -119,7 +121,7 @@ GROUP_DEFAULTS: dict[str, Disposition] = {
 }
 
 DISPOSITIONS: dict[str, Disposition] = {
-    # --- parallelism: size 1 is what octavo does; more is issue 26.
+    # --- parallelism beyond -dp and -tp (their flags are octavo's own)
     "pipeline_parallel_size": _only(_is_one, "pipeline parallelism: " + SCALE_OUT),
     "data_parallel_size_local": _only(_is_one, "data parallelism: " + SCALE_OUT),
     "decode_context_parallel_size": _only(_is_one, "context parallelism: " + NOT_PLANNED),
@@ -200,7 +202,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "trust_remote_code": _no(
         "octavo runs no code from a checkpoint: every architecture it serves is its own"
     ),
-    "hf_config_path": _refused("a config.json from elsewhere than the model: " + DROP_IN),
     "allowed_local_media_path": _no(TEXT_ONLY),
     "allowed_media_domains": _no(TEXT_ONLY),
     "code_revision": _no("octavo runs no code from a checkpoint"),
@@ -219,8 +220,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "skip_tokenizer_init": _refused("token-id-only serving: " + API),
     "enable_prompt_embeds": _refused("prompt embeddings as input: " + API),
     "config_format": _no("octavo reads config.json or the GGUF's metadata, whichever is given"),
-    "hf_token": _refused("Hugging Face Hub downloads: " + DROP_IN),
-    "hf_overrides": _refused("config overrides: " + DROP_IN),
     "model_class_overrides": _refused("model class overrides: octavo's models are its own"),
     "sleep_mode_offload_cudagraph": _no(CPU_ONLY),
     "sleep_preserve_parameter_names": _no(
@@ -306,11 +305,7 @@ DISPOSITIONS: dict[str, Disposition] = {
         "octavo passes message content to the chat template as the template expects it "
         "(strings for text-only templates)"
     ),
-    "trust_request_chat_template": _refused("a chat template in the request: " + DROP_IN),
     "trust_request_mm_kwargs": _no(TEXT_ONLY),
-    "exclude_tools_when_tool_choice_none": _refused(
-        "leaving tools out of the prompt under tool_choice none: " + DROP_IN
-    ),
     "tool_parser_plugin": _refused("tool parser plugins: " + NOT_PLANNED),
     "tool_strict_level": _no("octavo checks tool calls against their schema as it parses them"),
     "tool_server": _refused("built-in tool servers (the Responses API): " + API),
@@ -320,7 +315,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "enable_per_request_metrics": _no(METRICS),
     "enable_server_load_tracking": _no(METRICS),
     "sse_keep_alive_interval": _no("octavo's streams send each token as it comes"),
-    "enable_tokenizer_info_endpoint": _refused("/tokenizer_info: " + DROP_IN),
     "cohere_is_reasoning_model": _refused("the Cohere API: " + NOT_PLANNED),
     "cohere_format": _refused("the Cohere API: " + NOT_PLANNED),
     "anthropic_disabled_thinking_effort": _no(
@@ -336,7 +330,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     "dp_supervisor_probe_interval_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_timeout_s": _no(ONE_PROCESS),
     "dp_supervisor_probe_failure_threshold": _no(ONE_PROCESS),
-    "disable_access_log_for_endpoints": _refused("per-endpoint access logs: " + DROP_IN),
     "middleware": _refused("ASGI middleware by import path: " + NOT_PLANNED),
     "h11_max_incomplete_event_size": _no(
         "octavo bounds request heads by time (--header-read-timeout) and bodies by "

@@ -19,9 +19,11 @@ from octavo.config import GENERATION_CONFIG_SOURCES, EngineArgs, EngineConfig, P
 from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.config import ModelConfig
 from octavo.model.loader import (
+    HFConfigSource,
     load_model,
     read_generation_defaults,
     read_model_config,
+    resolve_hf_config_path,
     resolve_model_path,
     resolve_tokenizer_path,
 )
@@ -55,6 +57,8 @@ class EngineFacts:
     tokenizer_path: str = ""
     # The sampling defaults of a --generation-config folder (None: the model's own, or none).
     generation_defaults: dict[str, Any] | None = None
+    # The resolved --hf-config-path ("": the model's config.json).
+    hf_config_path: str = ""
 
 
 def bound_matmul_shape_caches() -> None:
@@ -67,18 +71,27 @@ def bound_matmul_shape_caches() -> None:
 def probe(args: EngineArgs) -> EngineFacts:
     """The machine and the model's config (headers only: no weights are read). Raises
     ValueError for a tensor_parallel_size the model does not split over."""
-    model_path = resolve_model_path(args.model, args.revision, args.download_dir)
-    model_config = read_model_config(model_path)
+    token = args.hf_token
+    model_path = resolve_model_path(args.model, args.revision, args.download_dir, token=token)
+    hf_config_path = ""
+    if args.hf_config_path is not None:
+        hf_config_path = resolve_hf_config_path(
+            args.hf_config_path, args.revision, args.download_dir, token
+        )
+    hf_config = HFConfigSource(hf_config_path, args.hf_overrides or {})
+    model_config = read_model_config(model_path, hf_config)
     reason = incompatibility(model_config, args.tensor_parallel_size)
     if reason is not None:
         raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: {reason}.")
     tokenizer_path = ""
     if args.tokenizer is not None:
         revision = args.tokenizer_revision or args.revision
-        tokenizer_path = resolve_tokenizer_path(args.tokenizer, revision, args.download_dir)
+        tokenizer_path = resolve_tokenizer_path(args.tokenizer, revision, args.download_dir, token)
     generation_defaults = None
     if args.generation_config not in GENERATION_CONFIG_SOURCES:
-        generation_defaults = read_generation_defaults(args.generation_config, args.download_dir)
+        generation_defaults = read_generation_defaults(
+            args.generation_config, args.download_dir, token
+        )
     return EngineFacts(
         probe_platform(args.device),
         model_path,
@@ -86,6 +99,7 @@ def probe(args: EngineArgs) -> EngineFacts:
         weight_file_bytes(model_path),
         tokenizer_path,
         generation_defaults,
+        hf_config_path,
     )
 
 
@@ -132,10 +146,11 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         config.backend,
         TORCH_DTYPES[config.weight_dtype] if config.weight_dtype else None,
     )
-    model, model_config = load_model(config.model, backend, config.quantization, tp)
+    hf_config = HFConfigSource(config.hf_config_path, config.hf_overrides)
+    model, model_config = load_model(config.model, backend, config.quantization, tp, hf_config)
 
     def reload_model() -> nn.Module:
-        return load_model(config.model, backend, config.quantization, tp)[0]
+        return load_model(config.model, backend, config.quantization, tp, hf_config)[0]
 
     runner = ModelRunner(
         model,

@@ -23,9 +23,9 @@ def _shared_load_model():
     load_model = setup_module.load_model
     loaded = {}
 
-    def load(path, backend, quantization=None, tp=TRIVIAL):
-        if tp.size > 1:  # a rank's share is its own
-            return load_model(path, backend, quantization, tp)
+    def load(path, backend, quantization=None, tp=TRIVIAL, hf_config=None):
+        if tp.size > 1 or hf_config:  # a rank's share, or a changed config, is its own
+            return load_model(path, backend, quantization, tp, hf_config)
         key = (
             path,
             quantization,

@@ -1,17 +1,22 @@
 """The server settings of vLLM's flags, with their effect over HTTP: several API keys, several
 served model names, FastAPI's docs, the root path, CORS details, default chat template
 kwargs, logprob tokens as token ids, the generation config's sampling defaults, the request's
-`priority` under each scheduling policy, and the flags' parsing into ServerConfig."""
+`priority` under each scheduling policy, a request's own chat template, tools left out under
+tool_choice none, /tokenizer_info, access logs per endpoint, and the flags' parsing into
+ServerConfig."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import httpx
 
 from octavo.entrypoints.cli import make_parser, server_config_from
 from octavo.entrypoints.server.app import ServerConfig
+from octavo.entrypoints.server.http_server import ACCESS_LOGGER, AccessLogFilter
 
+from ..mock_engine import VOCAB, mock_llm
 from .mock_server import mock_server
 from .utils import assert_error
 
@@ -103,12 +108,22 @@ def test_server_flags_parse_into_the_server_config():
             *("--default-chat-template-kwargs", '{"enable_thinking": false}'),
             "--return-tokens-as-token-ids",
             *("--uds", "/run/octavo.sock"),
+            "--trust-request-chat-template",
+            "--enable-tokenizer-info-endpoint",
+            "--exclude-tools-when-tool-choice-none",
+            *("--disable-access-log-for-endpoints", "/health, /metrics"),
         ]
     )
     config = server_config_from(ns)
+    assert config.trust_request_chat_template and config.enable_tokenizer_info_endpoint
+    assert config.tool_serving.exclude_tools_when_tool_choice_none
+    assert config.disable_access_log_for_endpoints == ("/health", "/metrics")
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
     assert config.return_tokens_as_token_ids
     defaults = server_config_from(make_parser().parse_args(["serve"]))
+    assert not (defaults.trust_request_chat_template or defaults.enable_tokenizer_info_endpoint)
+    assert not defaults.exclude_tools_when_tool_choice_none
+    assert defaults.disable_access_log_for_endpoints == ()
     assert defaults.default_chat_template_kwargs is None
     assert not defaults.return_tokens_as_token_ids
     assert config.uds == "/run/octavo.sock" and defaults.uds is None
@@ -370,3 +385,120 @@ def test_a_generation_config_max_new_tokens_override_caps_every_request():
             completion = {"prompt": "a b", "max_tokens": 10}
             usage = client.post("/v1/completions", json=completion).json()["usage"]
             assert usage["completion_tokens"] == 3
+
+
+# Renders the content words only: "the cat" is 2 tokens (the mock's own template adds roles).
+CONTENT_ONLY = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+CHAT = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 1}
+
+
+def test_a_request_chat_template_needs_the_server_to_trust_it():
+    """vLLM's rule: a request's `chat_template` (or that key of chat_template_kwargs) is a 400
+    naming `chat_template` unless the server runs with --trust-request-chat-template; with it,
+    the request's template renders the prompt, on /v1/chat/completions and /tokenize alike."""
+    tokenize = {"messages": CHAT["messages"]}
+    brought = (
+        {"chat_template": CONTENT_ONLY},
+        {"chat_template_kwargs": {"chat_template": CONTENT_ONLY}},
+    )
+    with (
+        mock_server() as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        own = client.post("/v1/chat/completions", json=CHAT).json()["usage"]["prompt_tokens"]
+        assert own == 4  # "user the cat assistant" by the model's template
+        for fields in brought:
+            for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", tokenize)):
+                response = client.post(path, json={**body, **fields})
+                assert_error(response, "chat_template", "--trust-request-chat-template")
+    with (
+        mock_server(ServerConfig(trust_request_chat_template=True)) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        for fields in brought:
+            response = client.post("/v1/chat/completions", json={**CHAT, **fields})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens"] == 2
+            tokens = client.post("/tokenize", json={**tokenize, **fields}).json()["tokens"]
+            assert tokens == [VOCAB.index("the"), VOCAB.index("cat")]
+        usage = client.post("/v1/chat/completions", json=CHAT).json()["usage"]
+        assert usage["prompt_tokens"] == own  # without one, the model's template
+
+
+def test_tools_are_left_out_of_the_prompt_under_tool_choice_none_when_asked():
+    """By default tool_choice "none" still renders the tools (vLLM's default);
+    --exclude-tools-when-tool-choice-none leaves them out of a chat request's prompt."""
+    tools = [{"type": "function", "function": {"name": "dog"}}]
+    body = {**CHAT, "tools": tools, "tool_choice": "none"}
+    for exclude, num_prompt_tokens in ((False, 3), (True, 2)):
+        llm = mock_llm(max_model_len=128)
+        llm.llm_engine.tokenizer.chat_template = (
+            "{% for t in tools or [] %}{{ t.function.name }} {% endfor %}" + CONTENT_ONLY
+        )
+        config = ServerConfig(exclude_tools_when_tool_choice_none=exclude)
+        with (
+            mock_server(config, llm=llm) as running,
+            httpx.Client(base_url=running.base_url, timeout=30) as client,
+        ):
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens"] == num_prompt_tokens  # "dog the cat"
+            # /tokenize has no tool_choice (vLLM's): it renders the tools it is given.
+            tokenized = client.post(
+                "/tokenize", json={"messages": CHAT["messages"], "tools": tools}
+            )
+            assert tokenized.json()["count"] == 3
+
+
+def test_tokenizer_info_is_served_only_when_enabled():
+    with (
+        mock_server() as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        assert client.get("/tokenizer_info").status_code == 404
+    config = ServerConfig(enable_tokenizer_info_endpoint=True)
+    with (
+        mock_server(config, chat_template=CONTENT_ONLY) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        response = client.get("/tokenizer_info")
+        assert response.status_code == 200, response.text
+        info = response.json()
+        assert (info["bos_token"], info["eos_token"], info["unk_token"]) == ("<s>", "</s>", "<unk>")
+        assert info["tokenizer_class"]  # the loaded tokenizer's class
+        assert info["chat_template"] == CONTENT_ONLY  # the server's --chat-template
+
+
+def _access_record(path: str) -> logging.LogRecord:
+    """A record as uvicorn's access logger makes one."""
+    args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+    return logging.LogRecord(
+        ACCESS_LOGGER, logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None
+    )
+
+
+def test_access_log_lines_of_the_given_endpoints_are_dropped():
+    drop = AccessLogFilter(["/health", "/metrics"])
+    assert not drop.filter(_access_record("/health"))
+    assert not drop.filter(_access_record("/metrics?name=x"))  # the query string aside
+    assert drop.filter(_access_record("/v1/models"))
+    assert drop.filter(_access_record("/healthz"))
+    other = logging.LogRecord("octavo", logging.INFO, "", 0, "/health", None, None)
+    assert drop.filter(other)
+    config = ServerConfig(uvicorn_log_level="info", disable_access_log_for_endpoints=("/health",))
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    with (
+        mock_server(config) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
+        logging.getLogger(ACCESS_LOGGER).addHandler(handler)
+        try:
+            assert client.get("/health").status_code == 200
+            assert client.get("/v1/models").status_code == 200
+        finally:
+            logging.getLogger(ACCESS_LOGGER).removeHandler(handler)
+    assert [line for line in lines if "/health" in line] == []
+    assert any("GET /v1/models" in line for line in lines), lines
+    assert not any(isinstance(f, AccessLogFilter) for f in logging.getLogger(ACCESS_LOGGER).filters)

@@ -1,16 +1,16 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
 Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`; with dev endpoints enabled,
-`/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a profiler configured,
-`/start_profile`, `/stop_profile`), the API-key check (every path but `/health`), opt-in CORS, the
-connection limits (header and body read timeouts, keep-alive, a connection limit), and the
-process lifecycle: SIGTERM stops accepting connections, lets in-flight responses finish, and
-shortly before `shutdown_timeout_s` ends the streams still running with an error event and
-[DONE], stops the engine thread and exits 0. Request bodies are decoded, rendered and
-tokenized in a few preparation threads, never on the event loop. The engine core runs in a
-process of its own (AsyncMPEngine) unless `engine_in_process`; if that process dies, the
-server stops and `run_server` returns 1.
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`; `/tokenizer_info` when enabled;
+with dev endpoints enabled, `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a
+profiler configured, `/start_profile`, `/stop_profile`), the API-key check (every path but
+`/health`), opt-in CORS, the connection limits (header and body read timeouts, keep-alive, a
+connection limit), and the process lifecycle: SIGTERM stops accepting connections, lets
+in-flight responses finish, and shortly before `shutdown_timeout_s` ends the streams still
+running with an error event and [DONE], stops the engine thread and exits 0. Request bodies
+are decoded, rendered and tokenized in a few preparation threads, never on the event loop.
+The engine core runs in a process of its own (AsyncMPEngine) unless `engine_in_process`; if
+that process dies, the server stops and `run_server` returns 1.
 
 Must not: step the engine (the engine-core process or the AsyncEngine thread does) or hold
 per-request state.
@@ -59,6 +59,7 @@ from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.server.tokenizer_info import tokenizer_info
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
 
@@ -87,6 +88,8 @@ class ServerConfig:
     # uvicorn's own settings (vLLM's flags of the same names).
     uvicorn_log_level: str | None = None  # None: make_server's log_level
     disable_uvicorn_access_log: bool = False
+    # Paths whose requests get no access-log line (vLLM's --disable-access-log-for-endpoints).
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
     root_path: str = ""
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -106,6 +109,11 @@ class ServerConfig:
     # and whether logprobs name tokens `token_id:ID` rather than by their text (vLLM's flags).
     default_chat_template_kwargs: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool = False
+    # Whether a chat request (or /tokenize) may bring its own `chat_template` (vLLM's
+    # --trust-request-chat-template: without it, such a request is a 400 naming the field).
+    trust_request_chat_template: bool = False
+    # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint).
+    enable_tokenizer_info_endpoint: bool = False
     # Larger bodies get 413 before they are parsed.
     max_request_body_bytes: int = 16 << 20
     # On SIGTERM, how long in-flight responses may run before they are ended.
@@ -127,17 +135,24 @@ class ServerConfig:
     # whether tool_choice "auto" (the default when tools are given) is allowed.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Whether tool_choice "none" leaves the tools out of the rendered prompt (vLLM's
+    # --exclude-tools-when-tool-choice-none; by default the template still renders them).
+    exclude_tools_when_tool_choice_none: bool = False
     # Step the engine on a thread of this process (AsyncEngine) instead of in an engine-core
     # process of its own (AsyncMPEngine, the default).
     engine_in_process: bool = False
 
     def __post_init__(self) -> None:
         # A bad combination fails at start-up (ValueError), not on the first request.
-        ToolServing(self.tool_call_parser, self.enable_auto_tool_choice)
+        _ = self.tool_serving
 
     @property
     def tool_serving(self) -> ToolServing:
-        return ToolServing(self.tool_call_parser, self.enable_auto_tool_choice)
+        return ToolServing(
+            self.tool_call_parser,
+            self.enable_auto_tool_choice,
+            self.exclude_tools_when_tool_choice_none,
+        )
 
 
 class AuthMiddleware:
@@ -216,6 +231,7 @@ def build_app(
         response_role=config.response_role,
         force_include_usage=config.enable_force_include_usage,
         default_chat_template_kwargs=config.default_chat_template_kwargs,
+        trust_request_chat_template=config.trust_request_chat_template,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         sampling_defaults=engine_config.sampling_defaults,
         max_tokens_cap=engine_config.max_tokens_cap,
@@ -297,9 +313,7 @@ def build_app(
             if request.messages is not None:
                 # Rendered exactly as a chat completion renders the same fields, so `count`
                 # is that request's prompt_tokens.
-                render = chat_render_from(
-                    request, check_tools(request.tools), context.default_chat_template_kwargs
-                )
+                render = chat_render_from(request, check_tools(request.tools), context)
                 processed = render(processor)
             elif request.prompt is not None:
                 add_special = request.add_special_tokens is not False
@@ -328,6 +342,12 @@ def build_app(
                 "tokens",
             )
         return {"prompt": engine.tokenizer.decode(request.tokens)}
+
+    if config.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(tokenizer_info(engine.tokenizer, engine_config.chat_template))
 
     @app.get("/health")
     async def health() -> Response:

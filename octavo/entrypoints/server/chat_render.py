@@ -5,6 +5,9 @@ Owns message checking (each error names `messages` and says which message is wro
 conversion of OpenAI messages into what chat templates expect: text parts joined, a missing
 assistant `content` as "" (templates concatenate it), and assistant `tool_calls` arguments
 parsed from their JSON text into objects (as Hugging Face templates expect, and vLLM does).
+A template the request brings (`chat_template`, or that key of `chat_template_kwargs`) is
+vLLM's rule: rendered with only where the server trusts them (--trust-request-chat-template),
+else a 400 naming `chat_template` (a Jinja template is code the server runs).
 
 Must not: run on the event loop (handlers call it from their preparation threads), or step
 the engine.
@@ -15,10 +18,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
 from octavo.entrypoints.server.errors import bad_request, param_in_message
+
+if TYPE_CHECKING:
+    from octavo.entrypoints.server.serving_common import ServingContext
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Request fields a rendering error may be about (the first one its message names).
@@ -41,6 +47,8 @@ class ChatRender:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # The request's own template (trusted); None: the server's.
+    chat_template: str | None = None
 
     def __call__(self, processor: InputProcessor) -> ProcessedPrompt:
         """Raises OpenAIError (400 naming the parameter) when the conversation cannot be
@@ -48,6 +56,7 @@ class ChatRender:
         try:
             return processor.render_chat(
                 self.messages,
+                chat_template=self.chat_template,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
                 chat_template_kwargs=self.chat_template_kwargs,
@@ -61,24 +70,34 @@ class ChatRender:
 
 
 def chat_render_from(
-    request: Any,
-    tools: list[dict[str, Any]] | None,
-    default_kwargs: Mapping[str, Any] | None = None,
+    request: Any, tools: list[dict[str, Any]] | None, context: ServingContext
 ) -> ChatRender:
-    """The render of a chat completion or /tokenize body (they share these field names);
-    `default_kwargs` (--default-chat-template-kwargs) go to the template under the request's
-    own chat_template_kwargs, which win key by key."""
-    kwargs = request.chat_template_kwargs
-    if default_kwargs:
-        kwargs = {**default_kwargs, **(kwargs or {})}
+    """The render of a chat completion or /tokenize body (they share these field names); the
+    server's --default-chat-template-kwargs go to the template under the request's own
+    chat_template_kwargs, which win key by key. 400 naming `chat_template` for a template
+    the server does not trust."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    template = request.chat_template
+    if template is None:
+        template = kwargs.get("chat_template")
+    if template is not None and not context.trust_request_chat_template:
+        raise bad_request(
+            "The request brings its own chat template, which this server does not run: start "
+            "it with --trust-request-chat-template to allow that.",
+            "chat_template",
+        )
+    kwargs.pop("chat_template", None)  # the template itself, not a variable of it
+    if context.default_chat_template_kwargs:
+        kwargs = {**context.default_chat_template_kwargs, **kwargs}
     return ChatRender(
         check_messages(request.messages),
         tools=tools,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=kwargs or None,
         # /tokenize leaves it unset; chat defaults to False (the template writes BOS).
         add_special_tokens=bool(request.add_special_tokens),
+        chat_template=template,
     )
 
 

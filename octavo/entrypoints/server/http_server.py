@@ -5,6 +5,9 @@
   `HeadTimeoutH11Protocol` closes a connection whose request line and headers are not all in
   within `header_read_timeout_s` (for its first request, and for each next one on a
   keep-alive connection once bytes of it arrive). The body has its own timeout, in the app.
+- Per-endpoint access logs (vLLM's --disable-access-log-for-endpoints): `AccessLogFilter`
+  drops uvicorn's access-log line of a request to one of the paths given (health checks,
+  metrics scrapes), whatever its query string.
 - Streams that outlive the shutdown grace period: uvicorn cancels their tasks when it ends,
   which cuts the connection mid-event. `Server.shutdown` asks the engine, just before that
   deadline, to end every request still running, so each stream sends an error event and
@@ -24,7 +27,9 @@ import contextlib
 import logging
 import os
 import ssl
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -144,16 +149,47 @@ class SSLCertRefresher:
             self.refresh()
 
 
+ACCESS_LOGGER = "uvicorn.access"
+
+
+class AccessLogFilter(logging.Filter):
+    """Drops uvicorn's access-log records of requests to `paths`. uvicorn logs each request
+    with args (client, method, path with query string, HTTP version, status)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.name != ACCESS_LOGGER or not isinstance(args, tuple) or len(args) < 3:
+            return True
+        return urlsplit(str(args[2])).path not in self.paths
+
+
+def access_log_paths(text: str | None) -> tuple[str, ...]:
+    """--disable-access-log-for-endpoints: comma-separated paths, e.g. /health,/metrics."""
+    return tuple(path.strip() for path in (text or "").split(",") if path.strip())
+
+
 class Server(uvicorn.Server):
     """uvicorn.Server that ends the engine's requests just before the shutdown deadline, and
-    that reloads its certificates as they change when `ssl_refresh` is set."""
+    that reloads its certificates as they change when `ssl_refresh` is set; it holds its
+    access-log filter (if any) on uvicorn's access logger while it lives."""
 
     def __init__(
-        self, config: uvicorn.Config, async_engine: AsyncEngine, ssl_refresh: bool = False
+        self,
+        config: uvicorn.Config,
+        async_engine: AsyncEngine,
+        ssl_refresh: bool = False,
+        access_log_filter: AccessLogFilter | None = None,
     ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
         self.ssl_refresh = ssl_refresh
+        self.access_log_filter = access_log_filter
+        if access_log_filter is not None:
+            logging.getLogger(ACCESS_LOGGER).addFilter(access_log_filter)
         self.ssl_refresher: SSLCertRefresher | None = None
         self._refresh_task: asyncio.Task | None = None
 
@@ -184,6 +220,8 @@ class Server(uvicorn.Server):
         finally:
             if handle is not None:
                 handle.cancel()
+            if self.access_log_filter is not None:
+                logging.getLogger(ACCESS_LOGGER).removeFilter(self.access_log_filter)
 
 
 def make_server(
@@ -216,4 +254,7 @@ def make_server(
         ),
         async_engine,
         ssl_refresh=config.enable_ssl_refresh,
+        access_log_filter=(
+            AccessLogFilter(paths) if (paths := config.disable_access_log_for_endpoints) else None
+        ),
     )

@@ -136,6 +136,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra: a Jinja template for this request only (--trust-request-chat-template).
+    chat_template: str | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -149,6 +151,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     tools: list[ChatCompletionToolsParam] | None = None
 
 

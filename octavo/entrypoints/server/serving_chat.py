@@ -103,7 +103,7 @@ class OpenAIServingChat:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
-        render = chat_render_from(request, tool_setup.tools, context.default_chat_template_kwargs)
+        render = chat_render_from(request, tool_setup.tools, context)
         rename = {"logprobs": "top_logprobs", "prompt": "messages"}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:

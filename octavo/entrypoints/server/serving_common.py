@@ -89,6 +89,8 @@ class ServingContext:
     # (--return-tokens-as-token-ids).
     default_chat_template_kwargs: Mapping[str, Any] | None = None
     return_tokens_as_token_ids: bool = False
+    # Whether a request may bring its own chat template (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
     # What a request that leaves a sampling field unset gets (EngineConfig.sampling_defaults),
     # and the max_tokens no request may exceed (EngineConfig.max_tokens_cap).
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -34,13 +34,14 @@ from octavo.model.loader.gguf import (
 )
 from octavo.model.loader.hub import TOKENIZER_PATTERNS, looks_like_repo_id, snapshot_folder
 from octavo.model.loader.quantization import QuantizationPlan
-from octavo.model.loader.safetensors import open_hf_checkpoint
+from octavo.model.loader.safetensors import HFConfigSource, open_hf_checkpoint
 from octavo.model.parallel import TRIVIAL, TPGroup, shard_model
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "QUANTIZATIONS",
+    "HFConfigSource",
     "ModelLoadError",
     "build_model",
     "find_default_model",
@@ -48,6 +49,7 @@ __all__ = [
     "read_generation_defaults",
     "read_gguf_chat_template",
     "read_model_config",
+    "resolve_hf_config_path",
     "resolve_model_path",
     "resolve_tokenizer_path",
 ]
@@ -60,14 +62,15 @@ def resolve_model_path(
     revision: str | None = None,
     download_dir: str | None = None,
     allow_patterns: list[str] | None = None,
+    token: str | bool | None = None,
 ) -> str:
     """None means the embedded default; a folder holding exactly one .gguf (and no
     config.json) means that file; `org/name` that is no local path, a Hugging Face Hub
     repository's snapshot at `revision` (hub.py: from the cache in download_dir or
-    huggingface_hub's, or downloaded; only the files `allow_patterns` match, default those a
-    model needs)."""
+    huggingface_hub's, or downloaded with `token`; only the files `allow_patterns` match,
+    default those a model needs)."""
     if model is not None and looks_like_repo_id(model):
-        return snapshot_folder(model, revision, download_dir, allow_patterns)
+        return snapshot_folder(model, revision, download_dir, allow_patterns, token)
     path = find_default_model() if model is None else os.path.expanduser(model)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
@@ -77,23 +80,28 @@ def resolve_model_path(
 
 
 def resolve_tokenizer_path(
-    tokenizer: str, revision: str | None = None, download_dir: str | None = None
+    tokenizer: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | bool | None = None,
 ) -> str:
     """--tokenizer: a folder or .gguf file (a folder of one .gguf, that file), or a Hub id's
     snapshot of its tokenizer files (no weights) at `revision`. Raises ModelLoadError for a
     local path that does not exist."""
-    path = resolve_model_path(tokenizer, revision, download_dir, TOKENIZER_PATTERNS)
+    path = resolve_model_path(tokenizer, revision, download_dir, TOKENIZER_PATTERNS, token)
     if not os.path.exists(path):
         raise ModelLoadError(f"Tokenizer path {tokenizer!r} does not exist.")
     return path
 
 
-def read_generation_defaults(source: str, download_dir: str | None = None) -> dict[str, Any]:
+def read_generation_defaults(
+    source: str, download_dir: str | None = None, token: str | bool | None = None
+) -> dict[str, Any]:
     """--generation-config FOLDER: the sampling defaults (SamplingParams names) of the
     generation_config.json in that folder (or a Hub id's snapshot of it), or of that file
     itself. A folder without one gives none, with a warning (vLLM then uses none either).
     Raises ModelLoadError for a path that does not exist or a file that is not a JSON object."""
-    path = Path(resolve_model_path(source, None, download_dir, [GENERATION_CONFIG_FILE]))
+    path = Path(resolve_model_path(source, None, download_dir, [GENERATION_CONFIG_FILE], token))
     if not path.exists():
         raise ModelLoadError(f"generation_config {source!r} does not exist.")
     if path.is_dir():
@@ -114,10 +122,24 @@ def read_generation_defaults(source: str, download_dir: str | None = None) -> di
     return sampling_defaults_from(generation_config)
 
 
-def read_model_config(path: str) -> ModelConfig:
+def resolve_hf_config_path(
+    hf_config_path: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | bool | None = None,
+) -> str:
+    """--hf-config-path: the local folder of a folder or Hub id (its config.json only, at
+    `revision`) that holds a config.json. Raises ModelLoadError where it holds none."""
+    folder = resolve_model_path(hf_config_path, revision, download_dir, ["config.json"], token)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelLoadError(f"hf_config_path {hf_config_path!r} holds no config.json.")
+    return folder
+
+
+def read_model_config(path: str, hf_config: HFConfigSource | None = None) -> ModelConfig:
     """The ModelConfig of a checkpoint, without reading its weights (headers only). Raises
     ModelLoadError as load_model does."""
-    return _open_checkpoint(_existing(path))[0]
+    return _open_checkpoint(_existing(path), hf_config)[0]
 
 
 def load_model(
@@ -125,6 +147,7 @@ def load_model(
     backend: ModelBackend,
     quantization: str | None = None,
     tp: TPGroup = TRIVIAL,
+    hf_config: HFConfigSource | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
@@ -135,13 +158,14 @@ def load_model(
     Returns the model in eval mode, built with `backend`'s ops, every parameter in its compute
     dtype on its device and every linear weight in the format it chose, and the config. Raises
     ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF tensor
-    type, a truncated or corrupt file, missing or unexpected tensors, and a quantization that
+    type, a truncated or corrupt file, missing or unexpected tensors, and a quantization (or
+    an `hf_config`: a Hugging Face folder's config from elsewhere or with keys replaced) that
     does not apply to the checkpoint. With a `tp` group of more than one rank, the loaded model
     is cut to this rank's share (model/parallel.py) before its weights get their formats.
     """
     source = _existing(path)
     start_s = time.perf_counter()
-    config, weights = _open_checkpoint(source)
+    config, weights = _open_checkpoint(source, hf_config)
     if quantization is not None:
         weights = _quantize_weights(path, source, config, weights, quantization)
     try:
@@ -247,17 +271,33 @@ def _existing(path: str) -> Path:
     return source
 
 
-def _open_checkpoint(source: Path) -> tuple[ModelConfig, Iterable[tuple[str, Tensor]]]:
+def _open_checkpoint(
+    source: Path, hf_config: HFConfigSource | None = None
+) -> tuple[ModelConfig, Iterable[tuple[str, Tensor]]]:
     if source.is_file():
         if source.suffix != ".gguf":
             raise ModelLoadError(f"{source}: expected a .gguf file or a Hugging Face model folder.")
-        return open_gguf_checkpoint(source)
+        return _open_gguf(source, hf_config)
     if (source / "config.json").is_file():
-        return open_hf_checkpoint(source)
+        return open_hf_checkpoint(source, hf_config)
     ggufs = sorted(source.glob("*.gguf"))
     if len(ggufs) == 1:
-        return open_gguf_checkpoint(ggufs[0])
+        return _open_gguf(ggufs[0], hf_config)
     raise ModelLoadError(
         f"{source}: no config.json and {len(ggufs)} .gguf files; expected a Hugging Face model "
         "folder or a folder with exactly one .gguf file."
     )
+
+
+def _open_gguf(
+    path: Path, hf_config: HFConfigSource | None
+) -> tuple[ModelConfig, Iterable[tuple[str, Tensor]]]:
+    """A GGUF file's config is built from its metadata, never from a config.json: neither
+    --hf-config-path nor --hf-overrides has a config dict to act on there."""
+    if hf_config:
+        raise ModelLoadError(
+            f"{path}: hf_config_path and hf_overrides apply to a Hugging Face folder's "
+            "config.json; a GGUF file's config is read from its metadata. Serve the model's "
+            "Hugging Face folder (or its float checkpoint with --quantization) to change it."
+        )
+    return open_gguf_checkpoint(path)

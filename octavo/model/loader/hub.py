@@ -30,10 +30,13 @@ def snapshot_folder(
     revision: str | None,
     download_dir: str | None,
     allow_patterns: list[str] | None = None,
+    token: str | bool | None = None,
 ) -> str:
     """The local folder of `repo_id` at `revision` (a branch, tag or commit; default: main),
     from the cache or downloaded into it, with the files `allow_patterns` match (default:
-    ALLOW_PATTERNS, what a model needs). Raises ModelLoadError saying what was tried."""
+    ALLOW_PATTERNS, what a model needs). `token` (vLLM's --hf-token) authorizes the download:
+    a token, True for the one `hf auth login` stored, None for huggingface_hub's own choice
+    (HF_TOKEN, else the stored one). Raises ModelLoadError saying what was tried."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -51,6 +54,7 @@ def snapshot_folder(
             cache_dir=download_dir,
             allow_patterns=allow_patterns or ALLOW_PATTERNS,
             local_files_only=offline,
+            token=token,
         )
     except LocalEntryNotFoundError:
         where = download_dir or "the Hugging Face cache"
@@ -61,7 +65,7 @@ def snapshot_folder(
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelLoadError(
             f"Model {at!r}: no such repository on the Hugging Face Hub, or it needs a token "
-            f"(HF_TOKEN) it was not given ({type(exc).__name__})."
+            f"(--hf-token or HF_TOKEN) it was not given ({type(exc).__name__})."
         ) from None
     except RevisionNotFoundError:
         raise ModelLoadError(f"Model {repo_id!r} has no revision {revision!r}.") from None

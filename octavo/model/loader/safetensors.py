@@ -13,7 +13,8 @@ spec lists (ArchSpec.hf_renames) applied.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,45 @@ _INDEX_FILE = "model.safetensors.index.json"
 _BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
-def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
-    """(config, lazy iterator over every tensor of every safetensors file). Raises
-    ModelLoadError for unreadable config files, no or missing weight files, a corrupt header."""
-    config_dict = _read_json(folder / "config.json")
+@dataclass(frozen=True)
+class HFConfigSource:
+    """Where a Hugging Face folder's config.json is read from, and which of its keys are
+    replaced before the ModelConfig is built (vLLM's --hf-config-path and --hf-overrides)."""
+
+    # A local folder holding the config.json to read instead of the model's ("": the model's).
+    folder: str = ""
+    # Keys replacing the config's; a dict under a key whose value is a sub-config (a dict
+    # named *_config, such as text_config) replaces that sub-config's keys one by one.
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.folder or self.overrides)
+
+
+def apply_hf_overrides(config: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with `overrides`' keys (HFConfigSource.overrides' rule); `config` is not
+    changed."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if key.endswith("_config") and isinstance(current, dict) and isinstance(value, dict):
+            merged[key] = {**current, **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def open_hf_checkpoint(
+    folder: Path, source: HFConfigSource | None = None
+) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]]]:
+    """(config, lazy iterator over every tensor of every safetensors file); the config from
+    `source`'s folder, with its overrides, where given. Raises ModelLoadError for unreadable
+    config files, no or missing weight files, a corrupt header."""
+    source = source or HFConfigSource()
+    config_path = Path(source.folder or folder) / "config.json"
+    if source.folder and not config_path.is_file():
+        raise ModelLoadError(f"hf_config_path {source.folder!r} holds no config.json.")
+    config_dict = apply_hf_overrides(_read_json(config_path), source.overrides)
     quantization = config_dict.get("quantization_config")
     if quantization is not None:
         method = (
@@ -50,13 +86,17 @@ def open_hf_checkpoint(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, T
     try:
         config = ModelConfig.from_hf_config(config_dict, generation)
     except ValueError as exc:
-        raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from None
+        raise ModelLoadError(f"{config_path}{_with(source)}: {exc}") from None
     files = weight_files(folder)
     for file in files:
         _check_header(file)
     renames = get_spec(config.architecture).hf_renames
     tensors = _iter_tensors(files)
     return config, _renamed(tensors, renames) if renames else tensors
+
+
+def _with(source: HFConfigSource) -> str:
+    return f" with hf_overrides {dict(source.overrides)}" if source.overrides else ""
 
 
 def _renamed(

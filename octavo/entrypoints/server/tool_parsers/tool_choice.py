@@ -4,7 +4,8 @@ Owns `ToolSetup`, what a chat request's tools mean for each stage: the tool list
 template renders, the parser that reads each choice, and the structured-output constraint
 that forces a call. The rules are vLLM's:
 - `tool_choice` defaults to "auto" when tools are given, else "none";
-- "none" still renders the tools, and the output is plain content;
+- "none" still renders the tools (unless the server excludes them,
+  --exclude-tools-when-tool-choice-none), and the output is plain content;
 - "auto" needs the server's `--enable-auto-tool-choice` and `--tool-call-parser`;
 - a named function constrains the output to its parameters' JSON schema (the output is then
   the arguments object); "required" to a non-empty array of `{"name", "parameters"}` items,
@@ -41,6 +42,8 @@ class ToolServing:
 
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # tool_choice "none" leaves the tools out of the prompt (else the template renders them).
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -107,7 +110,7 @@ def resolve_tools(
     if tool_choice != "none" and not checked:
         raise bad_request("tool_choice needs a non-empty tools list.", "tool_choice")
     if tool_choice == "none":
-        return ToolSetup(checked)
+        return ToolSetup(None if serving.exclude_tools_when_tool_choice_none else checked)
     assert checked is not None and tools is not None
     if tool_choice == "auto":
         if not (serving.enable_auto_tool_choice and serving.tool_call_parser):
