@@ -295,23 +295,24 @@ def setting(
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
     metavar: str | None = None,
     cli: bool = True,
-    short: str | None = None,
+    alias: str | None = None,
     parse: Callable[[str], Any] | None = None,
     nargs: str | None = None,
     const: Any = None,
 ) -> Any:
     """An EngineArgs field: its default, the help text its flag shows, the values it takes (a
     sequence, or a function giving them where they live in another module), whether it is a
-    flag at all, its short spelling (vLLM's `-q`), how its value is parsed where that is not
-    the field's type (vLLM's `4k`), argparse's nargs (several values, or "?": an optional
-    one) and the value of the flag given without one (nargs "?")."""
+    flag at all, its other spelling (vLLM's `-q`, `--device-memory-utilization`), how its
+    value is parsed where that is not the field's type (vLLM's `4k`), argparse's nargs
+    (several values, or "?": an optional one) and the value of the flag given without one
+    (nargs "?")."""
     metadata = {
         "const": const,
         "help": help,
         "choices": choices,
         "metavar": metavar,
         "cli": cli,
-        "short": short,
+        "alias": alias,
         "parse": parse,
         "nargs": nargs,
     }
@@ -438,7 +439,7 @@ class EngineArgs:
         "type (q8_0 ... q4_0, q6_k, q5_k, q4_k) or llama-quantize's mix q4_k_m / q5_k_m "
         "quantizes a float checkpoint's matrices at load",
         choices=QUANTIZATIONS,
-        short="-q",
+        alias="-q",
     )
     kv_cache_dtype: str = setting(
         "auto",
@@ -476,6 +477,7 @@ class EngineArgs:
         "the KV cache gets this share of the total less the model's weight files (default: a "
         "quarter of the available memory, at most 4 GiB, on a CPU; 0.8 of the free memory on "
         "a GPU)",
+        alias="--device-memory-utilization",
     )
     block_size: int | None = setting(
         None,
@@ -584,7 +586,7 @@ class EngineArgs:
         "ranks the model's heads, MLP columns and vocabulary are split over, each a process of "
         "its own (joined by torch.distributed: gloo on a CPU, NCCL on CUDA) with its share of "
         "the CPUs and of every token's KV",
-        short="-tp",
+        alias="-tp",
     )
     distributed_executor_backend: str | None = setting(
         None,
@@ -624,7 +626,7 @@ class EngineArgs:
         "the CPUs are split between them, and so are the default KV capacity and "
         "--gpu-memory-utilization (an explicit --kv-cache-tokens / --kv-cache-memory-bytes "
         "is each one's); octavo serve only",
-        short="-dp",
+        alias="-dp",
     )
 
     def __post_init__(self) -> None:
@@ -754,8 +756,8 @@ class EngineArgs:
             if not f.metadata.get("cli", True) or f.name in skip:
                 continue
             flags = ["--" + f.name.replace("_", "-")]
-            if f.metadata["short"]:
-                flags.append(f.metadata["short"])
+            if f.metadata["alias"]:
+                flags.append(f.metadata["alias"])
             kind = _scalar_type(hints[f.name])
             choices = f.metadata["choices"]
             options: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}

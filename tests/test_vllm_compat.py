@@ -116,9 +116,19 @@ def test_each_vllm_flag_parses_and_says_what_it_does(flag):
         assert notes == [f"{' '.join(argv)} has no effect here: {verdict.reason}"]
 
 
+def test_every_spelling_of_every_vllm_flag_is_known():
+    """Each option string vLLM's parser has (aliases such as -tp, and the --no-X of its
+    boolean flags) is one octavo's serve parser knows."""
+    known = serve_parser()._option_string_actions
+    unknown = [o for flag in vllm_flags() for o in flag["options"] if o not in known]
+    assert unknown == []
+
+
 def test_parallel_sizes_of_one_pass_and_more_are_refused_naming_the_issue():
     assert check_namespace(serve_parser().parse_args(["-tp", "1", "-pp", "1", "-dp", "1"])) == []
-    with pytest.raises(VllmFlagRefused, match=r"--pipeline-parallel-size 2: not supported.*26"):
+    with pytest.raises(
+        VllmFlagRefused, match=r"--pipeline-parallel-size 2: not supported.*process layout"
+    ):
         check_namespace(serve_parser().parse_args(["--pipeline-parallel-size", "2"]))
     with pytest.raises(VllmFlagRefused, match="--no-enable-chunked-prefill: not supported"):
         check_namespace(serve_parser().parse_args(["--no-enable-chunked-prefill"]))

@@ -69,7 +69,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='CORS headers, as --allowed-origins (default: ["*"])',
     )
-    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CORS: allow credentials",
+    )
     group.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -77,7 +82,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level",
     )
     group.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no line per HTTP request",
     )
     group.add_argument(
         "--disable-access-log-for-endpoints",
@@ -118,7 +126,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="end every stream with a usage chunk, whether stream_options asks for it or not",
     )
     group.add_argument(
@@ -152,12 +161,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="give every response an X-Request-Id header (the request's own, or a new one)",
     )
     group.add_argument(
         "--disable-fastapi-docs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="do not serve /docs, /redoc and /openapi.json",
     )
     group.add_argument(
@@ -180,7 +191,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='allow tool_choice "auto" (the default when a request has tools); '
         "needs --tool-call-parser",
     )
