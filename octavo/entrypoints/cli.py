@@ -1,5 +1,5 @@
-"""`octavo serve|generate|chat|bench|plan`: parse flags -> EngineArgs -> run. Flag names follow
-vLLM."""
+"""`octavo serve|run-batch|generate|chat|bench|plan`: parse flags -> EngineArgs -> run. Flag
+names follow vLLM."""
 
 from __future__ import annotations
 
@@ -120,39 +120,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "change while serving (checked every second); new connections get the new certificate",
     )
     group.add_argument(
-        "--response-role",
-        default="assistant",
-        help="the role of chat completion responses (default: assistant)",
-    )
-    group.add_argument(
-        "--enable-force-include-usage",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="end every stream with a usage chunk, whether stream_options asks for it or not",
-    )
-    group.add_argument(
-        "--default-chat-template-kwargs",
-        type=json_object_flag("default_chat_template_kwargs"),
-        default=None,
-        metavar="JSON",
-        help="a JSON object of keyword arguments every chat request's template gets, e.g. "
-        "'{\"enable_thinking\": false}'; a request's own chat_template_kwargs win key by key",
-    )
-    group.add_argument(
-        "--return-tokens-as-token-ids",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="name each token of a response's logprobs `token_id:ID` instead of by its text "
-        "(for tokens whose text is not valid UTF-8 on its own)",
-    )
-    group.add_argument(
-        "--trust-request-chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="let a chat request (or /tokenize) bring its own chat_template, a Jinja template "
-        "the server runs (default: such a request is refused with 400)",
-    )
-    group.add_argument(
         "--enable-tokenizer-info-endpoint",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -171,38 +138,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="do not serve /docs, /redoc and /openapi.json",
     )
-    group.add_argument(
-        "--engine-in-process",
-        action="store_true",
-        help="step the engine on a thread of the API server process instead of in an "
-        "engine-core process of its own (one process; the layout before the engine-core "
-        "process, kept for comparison and debugging)",
-    )
-    # Checked by ServerConfig (importing the parser registry here would load the server).
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        metavar="NAME",
-        help="how tool calls are read from the model's text, vLLM's names: hermes "
-        "(<tool_call>{json}</tool_call>: Hermes, Qwen 2.5/3), llama3_json or llama4_json "
-        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: Llama 3.2, "
-        "ToolACE), qwen3_coder or qwen3_xml (<function=...><parameter=...>: Qwen3-Coder), "
-        "deepseek_v3 (DeepSeek-V3's tool-call tokens), granite (<|tool_call|>[...])",
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help='allow tool_choice "auto" (the default when a request has tools); '
-        "needs --tool-call-parser",
-    )
-    group.add_argument(
-        "--exclude-tools-when-tool-choice-none",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help='leave a request\'s tools out of the prompt when its tool_choice is "none" '
-        "(default: the chat template renders them, and the output is plain content)",
-    )
+    add_serving_args(group)
     limits = parser.add_argument_group("server limits")
     limits.add_argument(
         "--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413"
@@ -253,6 +189,151 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve /reset_prefix_cache, /sleep, /wake_up and /is_sleeping (vLLM's dev-mode "
         "endpoints, also on with VLLM_SERVER_DEV_MODE=1; behind --api-key if set)",
+    )
+
+
+def add_serving_args(group: argparse._ArgumentGroup) -> None:
+    """The flags that shape responses, which `serve` and `run-batch` share."""
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completion responses (default: assistant)",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="end every stream with a usage chunk, whether stream_options asks for it or not",
+    )
+    group.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object_flag("default_chat_template_kwargs"),
+        default=None,
+        metavar="JSON",
+        help="a JSON object of keyword arguments every chat request's template gets, e.g. "
+        "'{\"enable_thinking\": false}'; a request's own chat_template_kwargs win key by key",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="name each token of a response's logprobs `token_id:ID` instead of by its text "
+        "(for tokens whose text is not valid UTF-8 on its own)",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a chat request (or /tokenize) bring its own chat_template, a Jinja template "
+        "the server runs (default: such a request is refused with 400)",
+    )
+    group.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine on a thread of the API server process instead of in an "
+        "engine-core process of its own (one process; the layout before the engine-core "
+        "process, kept for comparison and debugging)",
+    )
+    # Checked by ServerConfig (importing the parser registry here would load the server).
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are read from the model's text, vLLM's names: hermes "
+        "(<tool_call>{json}</tool_call>: Hermes, Qwen 2.5/3), llama3_json or llama4_json "
+        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: Llama 3.2, "
+        "ToolACE), qwen3_coder or qwen3_xml (<function=...><parameter=...>: Qwen3-Coder), "
+        "deepseek_v3 (DeepSeek-V3's tool-call tokens), granite (<|tool_call|>[...])",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='allow tool_choice "auto" (the default when a request has tools); '
+        "needs --tool-call-parser",
+    )
+    group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='leave a request\'s tools out of the prompt when its tool_choice is "none" '
+        "(default: the chat template renders them, and the output is plain content)",
+    )
+
+
+def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
+    """`octavo run-batch`'s own flags (vLLM's run-batch names); the engine's and the response
+    flags are serve's."""
+    group = parser.add_argument_group("batch")
+    group.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        metavar="PATH",
+        help="the requests, one JSON object a line in OpenAI's batch format (custom_id, "
+        "method, url /v1/chat/completions or /v1/completions, body); - reads stdin",
+    )
+    group.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        metavar="PATH",
+        help="where the results go, one line per request in input order; - writes stdout",
+    )
+    group.add_argument(
+        "--output-tmp-dir",
+        default=None,
+        metavar="DIR",
+        help="vLLM's staging folder for uploading the output to a URL; no effect here "
+        "(octavo writes local files only)",
+    )
+    group.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="vLLM's Prometheus server for a batch run; no effect here",
+    )
+    group.add_argument(
+        "--url", default=None, help="with --enable-metrics, its address; no effect here"
+    )
+    group.add_argument(
+        "--port", type=int, default=None, help="with --enable-metrics, its port; no effect here"
+    )
+    serving = parser.add_argument_group("responses")
+    add_serving_args(serving)
+    serving.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="most output streams (prompts x n) one request may ask for",
+    )
+
+
+def run_batch_notes(ns: argparse.Namespace) -> list[str]:
+    """A log line for each of vLLM's run-batch flags given that changes nothing here."""
+    given = [
+        ("--output-tmp-dir", ns.output_tmp_dir is not None, "octavo writes local files only"),
+        ("--enable-metrics", ns.enable_metrics, "a batch run serves no /metrics"),
+        ("--url", ns.url is not None, "a batch run serves no /metrics"),
+        ("--port", ns.port is not None, "a batch run serves no /metrics"),
+    ]
+    return [f"{flag} has no effect here: {why}" for flag, is_given, why in given if is_given]
+
+
+def batch_config_from(ns: argparse.Namespace):
+    """The ServerConfig of `run-batch`: the settings that shape responses, the rest defaults."""
+    from octavo.entrypoints.server.app import ServerConfig
+
+    return ServerConfig(
+        response_role=ns.response_role,
+        enable_force_include_usage=ns.enable_force_include_usage,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        engine_in_process=ns.engine_in_process,
     )
 
 
@@ -381,6 +462,14 @@ def make_parser() -> argparse.ArgumentParser:
     from octavo.entrypoints.vllm_compat import add_vllm_flags
 
     add_vllm_flags(serve)
+
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests (chat and completions) in order",
+    )
+    add_run_batch_args(run_batch)
+    add_engine_args(run_batch)
+    add_vllm_flags(run_batch)
 
     generate = commands.add_parser("generate", help="complete one prompt and print the text")
     generate.add_argument("prompt")
@@ -544,6 +633,18 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger("octavo.serve").info(note)
             args = EngineArgs.from_cli_args(ns, model=ns.model_tag or ns.model)
             return run_server(args, server_config_from(ns))
+        if ns.command == "run-batch":
+            from octavo.entrypoints.run_batch import run_batch
+            from octavo.entrypoints.vllm_compat import VllmFlagRefused, check_namespace
+
+            try:
+                notes = check_namespace(ns) + run_batch_notes(ns)
+            except VllmFlagRefused as exc:
+                parser.exit(2, f"octavo run-batch: error: {exc}\n")
+            for note in notes:
+                logging.getLogger("octavo.run_batch").info(note)
+            config = batch_config_from(ns)
+            return run_batch(engine_args_from(ns), config, ns.input_file, ns.output_file)
         if ns.command == "generate":
             from octavo.entrypoints.chat import run_generate
 

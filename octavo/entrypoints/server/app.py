@@ -25,7 +25,7 @@ import logging
 import signal
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -216,14 +216,14 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(
-    async_engine: AsyncEngine, config: ServerConfig, stat_logger: PrometheusStatLogger
-) -> FastAPI:
-    """The app over an AsyncEngine that its lifespan starts and shuts down."""
+def serving_context(
+    async_engine: AsyncEngine, config: ServerConfig, executor: Executor
+) -> ServingContext:
+    """What the completion and chat handlers know of the engine and the server's settings,
+    preparing request bodies in `executor` (the server's app, and `octavo run-batch`)."""
     engine = async_engine.engine
     engine_config = engine.config
-    executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
-    context = ServingContext(
+    return ServingContext(
         async_engine=async_engine,
         model_name=engine_config.served_model_name,
         model_names=engine_config.served_model_names or (engine_config.served_model_name,),
@@ -242,6 +242,16 @@ def build_app(
         body_read_timeout_s=config.body_read_timeout_s,
         max_sequences=config.max_sequences_per_request,
     )
+
+
+def build_app(
+    async_engine: AsyncEngine, config: ServerConfig, stat_logger: PrometheusStatLogger
+) -> FastAPI:
+    """The app over an AsyncEngine that its lifespan starts and shuts down."""
+    engine = async_engine.engine
+    engine_config = engine.config
+    executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
+    context = serving_context(async_engine, config, executor)
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context, config.tool_serving)
 

@@ -68,6 +68,12 @@ async def read_body(request: Request, limit_bytes: int, timeout_s: float) -> byt
     return b"".join(chunks)
 
 
+def check_body_size(size: int, limit_bytes: int) -> None:
+    """413 for a body of `size` bytes above `limit_bytes` (a body already in hand)."""
+    if size > limit_bytes:
+        raise _too_large(limit_bytes)
+
+
 def parse_body(body: bytes, model_type: type[ModelT]) -> ModelT:
     """Decode and validate a JSON object body (in a worker thread: for a large body this is
     real work). 400 for what is not JSON, nests too deep, holds a string that is not text, or

@@ -42,7 +42,7 @@ from octavo.entrypoints.server.errors import (
     from_value_error,
 )
 from octavo.entrypoints.server.protocol import PromptTokensDetails, UsageInfo
-from octavo.entrypoints.server.request_body import read_body
+from octavo.entrypoints.server.request_body import check_body_size, read_body
 
 T = TypeVar("T")
 
@@ -129,6 +129,20 @@ async def respond(
     if response is None:
         return Response(status_code=499)
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def collect_body(
+    context: ServingContext, prepare_run: Callable[[bytes, float], Any], body: bytes
+) -> BaseModel:
+    """`respond` for a body already in hand and no client connection (`octavo run-batch`):
+    the same size limit, preparation and run, the whole response returned; a failure raises
+    the OpenAIError the server would answer with (any other exception is the server's 500).
+    A stream has no place to go: 400."""
+    check_body_size(len(body), context.max_request_body_bytes)
+    run = await prepare(context, prepare_run, body, time.monotonic())
+    if run.request.stream:
+        raise bad_request("A batch request cannot stream: leave stream unset or false.", "stream")
+    return await run.collect()
 
 
 def check_priority(context: ServingContext, priority: int) -> None:

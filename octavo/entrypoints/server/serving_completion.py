@@ -37,6 +37,7 @@ from octavo.entrypoints.server.serving_common import (
     check_num_sequences,
     check_priority,
     clamp_logprob,
+    collect_body,
     decoded,
     engine_error_body,
     engine_error_to_openai,
@@ -71,6 +72,11 @@ class OpenAIServingCompletion:
 
     async def create(self, raw_request: Request) -> Response:
         return await respond(self.context, raw_request, self._prepare)
+
+    async def create_from_body(self, body: bytes) -> CompletionResponse:
+        """The response to a JSON body without an HTTP request (`octavo run-batch`); raises
+        the OpenAIError the endpoint would answer with."""
+        return await collect_body(self.context, self._prepare, body)
 
     def _prepare(self, body: bytes, arrival_time: float) -> _Run:
         """Everything before the engine runs, in a preparation thread: decode and check the
