@@ -253,6 +253,16 @@ def add_serving_args(group: argparse._ArgumentGroup) -> None:
         "needs --tool-call-parser",
     )
     group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model's thinking is told from its answer on /v1/chat/completions "
+        "(message.reasoning, its own stream deltas; tool calls are read after it), vLLM's "
+        "names: deepseek_r1 (the output starts inside the thinking, up to </think>), qwen3 "
+        "(<think>...</think>; off for a request with chat_template_kwargs enable_thinking "
+        "false)",
+    )
+    group.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -412,6 +422,7 @@ def server_config_from(ns: argparse.Namespace):
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        reasoning_parser=ns.reasoning_parser,
         max_request_body_bytes=ns.max_request_body_bytes,
         max_sequences_per_request=ns.max_sequences_per_request,
         header_read_timeout_s=ns.header_read_timeout,

@@ -151,7 +151,9 @@ async def run_lines(
     executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
     context = serving_context(async_engine, config, executor)
     endpoints: dict[str, Endpoint] = {
-        CHAT_URL: OpenAIServingChat(context, config.tool_serving).create_from_body,
+        CHAT_URL: OpenAIServingChat(
+            context, config.tool_serving, config.reasoning_parser
+        ).create_from_body,
         COMPLETIONS_URL: OpenAIServingCompletion(context).create_from_body,
     }
     async_engine.start()

@@ -266,8 +266,10 @@ DISPOSITIONS: dict[str, Disposition] = {
     "kda_prefill_backend": _no(KERNELS),
     "kda_decode_backend": _no(KERNELS),
     # --- structured outputs, speculative decoding and other engine configs
-    "reasoning_parser": _refused("reasoning output: " + API),
-    "reasoning_parser_plugin": _refused("reasoning output: " + API),
+    "reasoning_parser_plugin": _refused(
+        "reasoning parser plugins: octavo runs no plugin code; --reasoning-parser takes "
+        "qwen3 or deepseek_r1"
+    ),
     "speculative_config": _refused(SPECULATIVE),
     "spec_method": _refused(SPECULATIVE),
     "spec_model": _refused(SPECULATIVE),

@@ -55,6 +55,7 @@ from octavo.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from octavo.entrypoints.server.reasoning_parsers import get_reasoning_parser
 from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
@@ -138,6 +139,9 @@ class ServerConfig:
     # Whether tool_choice "none" leaves the tools out of the rendered prompt (vLLM's
     # --exclude-tools-when-tool-choice-none; by default the template still renders them).
     exclude_tools_when_tool_choice_none: bool = False
+    # How the model's thinking is told from its answer (vLLM's --reasoning-parser: qwen3,
+    # deepseek_r1); None: the output is all answer.
+    reasoning_parser: str | None = None
     # Step the engine on a thread of this process (AsyncEngine) instead of in an engine-core
     # process of its own (AsyncMPEngine, the default).
     engine_in_process: bool = False
@@ -145,6 +149,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         # A bad combination fails at start-up (ValueError), not on the first request.
         _ = self.tool_serving
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
 
     @property
     def tool_serving(self) -> ToolServing:
@@ -253,7 +259,7 @@ def build_app(
     executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
     context = serving_context(async_engine, config, executor)
     completions = OpenAIServingCompletion(context)
-    chat = OpenAIServingChat(context, config.tool_serving)
+    chat = OpenAIServingChat(context, config.tool_serving, config.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

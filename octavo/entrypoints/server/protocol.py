@@ -226,14 +226,18 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
+    # The model's thinking (--reasoning-parser), under vLLM's name (`reasoning`; vLLM no
+    # longer sends the older `reasoning_content`).
+    reasoning: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -279,15 +283,16 @@ class DeltaToolCall(BaseModel):
 
 class DeltaMessage(BaseModel):
     role: str | None = None
+    reasoning: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset_role(self, handler: Any) -> dict[str, Any]:
         # Only the first chunk of a choice names the role; later deltas leave the key out, and
-        # a delta that carries no text or no call pieces leaves those keys out.
+        # a delta that carries no thinking, text or call pieces leaves those keys out.
         data = handler(self)
-        for key in ("role", "content", "tool_calls"):
+        for key in ("role", "reasoning", "content", "tool_calls"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data

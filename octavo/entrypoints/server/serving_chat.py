@@ -1,11 +1,13 @@
 """`POST /v1/chat/completions`: chat messages rendered by the model's template, streaming or not,
-with tool calls.
+with tool calls and the model's thinking.
 
 Owns the chat response and chunk shapes (a role delta opens each choice's stream; tool calls
 stream as OpenAI's deltas: index, id and name first, then argument fragments), chat
-`logprobs`, and the use of one tool parser per choice. `finish_reason` is "tool_calls" when a
-choice that stopped naturally made calls. Message checking and rendering live in
-chat_render.py, tools and tool_choice in tool_parsers/.
+`logprobs`, and the use of one reasoning parser and one tool parser per choice: the thinking
+goes out as `reasoning` (its own deltas when streaming), and only the answer after it reaches
+the tool parser. `finish_reason` is "tool_calls" when a choice that stopped naturally made
+calls. Message checking and rendering live in chat_render.py, tools and tool_choice in
+tool_parsers/, the thinking's tags in reasoning_parsers.py.
 
 Must not: step the engine; rendering and tokenization happen here, before submitting, and are
 moved to a worker thread when the conversation is large.
@@ -42,6 +44,7 @@ from octavo.entrypoints.server.protocol import (
     ToolCall,
     TopLogprob,
 )
+from octavo.entrypoints.server.reasoning_parsers import ReasoningParser, reasoning_parser_for
 from octavo.entrypoints.server.request_body import parse_body
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
@@ -76,14 +79,23 @@ class _Choice:
     stop_reason: int | str | None = None
     # Reads tool calls out of this choice's text; None: the text is all content.
     parser: ToolParser | None = None
+    # Splits the thinking from the answer; None: the text is all answer.
+    reasoning: ReasoningParser | None = None
     # Whether a tool call has been streamed for this choice.
     called: bool = False
 
 
 class OpenAIServingChat:
-    def __init__(self, context: ServingContext, tools: ToolServing | None = None) -> None:
+    def __init__(
+        self,
+        context: ServingContext,
+        tools: ToolServing | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.context = context
         self.tools = tools or ToolServing()
+        # --reasoning-parser (checked at start-up, ServerConfig).
+        self.reasoning_parser = reasoning_parser
 
     async def create(self, raw_request: Request) -> Response:
         return await respond(self.context, raw_request, self._prepare)
@@ -109,6 +121,13 @@ class OpenAIServingChat:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
+        template_kwargs = {
+            **(context.default_chat_template_kwargs or {}),
+            **(request.chat_template_kwargs or {}),
+        }
+        make_reasoning = reasoning_parser_for(self.reasoning_parser, template_kwargs)
+        if make_reasoning is not None:
+            _check_unconstrained(request, tool_setup.structured_outputs is not None)
         render = chat_render_from(request, tool_setup.tools, context)
         rename = {"logprobs": "top_logprobs", "prompt": "messages"}
         max_tokens = request.max_tokens
@@ -139,7 +158,7 @@ class OpenAIServingChat:
         engine_request = EngineRequest(
             request_id, processed, params, arrival_time, request.priority
         )
-        return _Run(context, request, engine_request, tool_setup.make_parser)
+        return _Run(context, request, engine_request, tool_setup.make_parser, make_reasoning)
 
 
 class _Run:
@@ -151,6 +170,7 @@ class _Run:
         request: ChatCompletionRequest,
         engine_request: EngineRequest,
         make_parser: Callable[[], ToolParser] | None,
+        make_reasoning: Callable[[], ReasoningParser] | None = None,
     ) -> None:
         self.context = context
         self.request = request
@@ -160,7 +180,11 @@ class _Run:
         self.created = int(time.time())
         self.usage = PromptUsage(len(engine_request.prompt.prompt_token_ids))
         self.choices = [
-            _Choice(parser=None if make_parser is None else make_parser()) for _ in range(request.n)
+            _Choice(
+                parser=None if make_parser is None else make_parser(),
+                reasoning=None if make_reasoning is None else make_reasoning(),
+            )
+            for _ in range(request.n)
         ]
         self.num_top_logprobs = request.top_logprobs or 0
 
@@ -279,38 +303,78 @@ class _Run:
         yield SSE_DONE
 
 
+def _check_unconstrained(request: ChatCompletionRequest, by_tool_choice: bool) -> None:
+    """For a request whose output is read as thinking and answer: an output constraint would
+    hold from the first token on, thinking included (octavo does not hold it back until the
+    thinking ends, as vLLM can), so it is a 400 naming the field, never a silently wrong
+    split. Checked before the constraint is compiled."""
+    if by_tool_choice:
+        param = "tool_choice"
+    elif request.response_format is not None and request.response_format.type != "text":
+        param = "response_format"
+    elif request.structured_outputs is not None:
+        param = "structured_outputs"
+    else:
+        return
+    raise bad_request(
+        f"{param} constrains the output, which this server (--reasoning-parser) reads as "
+        "thinking and answer; a constraint over the thinking is not supported. Turn the "
+        "thinking off (for qwen3: chat_template_kwargs enable_thinking false) or drop the "
+        "constraint.",
+        param,
+    )
+
+
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     # A choice that stopped on its own after calling tools is waiting for their results.
     return "tool_calls" if called and finish_reason == FinishReason.STOP else finish_reason
 
 
 def _final_message(choice: _Choice, role: str = "assistant") -> tuple[ChatMessage, str | None]:
-    text = "".join(choice.text)
+    text: str | None = "".join(choice.text)
+    reasoning = None
+    if choice.reasoning is not None:
+        reasoning, text = choice.reasoning.extract(text or "")
     if choice.parser is None:
-        return ChatMessage(role=role, content=text), choice.finish_reason
-    extracted = choice.parser.extract(text)
+        return ChatMessage(role=role, reasoning=reasoning, content=text), choice.finish_reason
+    extracted = choice.parser.extract(text or "")
     calls = [
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in extracted.tool_calls
     ]
-    message = ChatMessage(role=role, content=extracted.content, tool_calls=calls or None)
+    message = ChatMessage(
+        role=role, reasoning=reasoning, content=extracted.content, tool_calls=calls or None
+    )
     return message, _tool_finish_reason(choice.finish_reason, bool(calls))
 
 
 def _stream_delta(choice: _Choice, completion: CompletionOutput) -> DeltaMessage | None:
     """What this output delta shows the client; None when there is nothing to show."""
-    if choice.parser is None:
-        if not completion.text and not completion.token_ids and completion.finish_reason is None:
+    finished = completion.finish_reason is not None
+    if choice.parser is None and choice.reasoning is None:
+        if not completion.text and not completion.token_ids and not finished:
             return None
         return DeltaMessage(content=completion.text)
-    update = choice.parser.feed(completion.text)
-    if completion.finish_reason is not None:
+    text, reasoning = completion.text, ""
+    if choice.reasoning is not None:
+        split = choice.reasoning.feed(text)
+        if finished:
+            split.extend(choice.reasoning.finish())
+        text, reasoning = split.content, split.reasoning
+    if choice.parser is None:
+        if not text and not reasoning:
+            return None
+        return DeltaMessage(reasoning=reasoning or None, content=text or None)
+    update = choice.parser.feed(text)
+    if finished:
         update.extend(choice.parser.finish())
-    if not update.content and not update.tool_calls:
+    if not update.content and not update.tool_calls and not reasoning:
         return None
     choice.called = choice.called or bool(update.tool_calls)
     return DeltaMessage(
-        content=update.content or None, tool_calls=_delta_tool_calls(update.tool_calls) or None
+        reasoning=reasoning or None,
+        content=update.content or None,
+        tool_calls=_delta_tool_calls(update.tool_calls) or None,
     )
 
 
