@@ -16,11 +16,17 @@ LLM, which submits every prompt at once (vLLM's LLM does not check them either).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
 class QueueOverflowError(RuntimeError):
-    """A request was rejected because the frontend's queue bounds are reached."""
+    """A request was rejected because the frontend's queue bounds are reached; `reason` is the
+    bound (metrics.stats.ADMISSION_REASONS)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -31,22 +37,31 @@ class QueueLimits:
     # Requests in flight (each counted n times) and prompt tokens not yet prefilled.
     num_reqs: int = 0
     num_prefill_tokens: int = 0
+    # Told of each rejection's reason (the server's vllm:admission_rejections counter).
+    on_reject: Callable[[str], None] | None = None
 
     def check(self, num_reqs: int) -> None:
         """Raise QueueOverflowError if `num_reqs` more requests may not be admitted now."""
         limit = self.max_num_queued_reqs
         if limit is not None and self.num_reqs + num_reqs > limit:
-            raise QueueOverflowError(
+            self._reject(
                 f"The server is at its limit of {limit} requests in flight "
                 f"(--max-num-queued-reqs); {self.num_reqs} are running or waiting, this one "
-                f"asks for {num_reqs}. Retry later."
+                f"asks for {num_reqs}. Retry later.",
+                "max_num_queued_reqs",
             )
         limit = self.max_num_queued_tokens
         if limit is not None and self.num_prefill_tokens >= limit:
-            raise QueueOverflowError(
+            self._reject(
                 f"The server is at its limit of {limit} prompt tokens waiting to be processed "
-                f"(--max-num-queued-tokens); {self.num_prefill_tokens} are. Retry later."
+                f"(--max-num-queued-tokens); {self.num_prefill_tokens} are. Retry later.",
+                "max_num_queued_tokens",
             )
+
+    def _reject(self, message: str, reason: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reason)
+        raise QueueOverflowError(message, reason)
 
     def admit(self, num_reqs: int, num_prompt_tokens: int) -> None:
         """check, then count the request in."""

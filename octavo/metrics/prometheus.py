@@ -33,7 +33,12 @@ from prometheus_client import (
 )
 
 from octavo.core.request import FinishReason
-from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from octavo.metrics.stats import (
+    ADMISSION_REASONS,
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
     from octavo.config import EngineConfig
@@ -226,6 +231,18 @@ class PrometheusStatLogger:
                 families[name] = kind(name, documentation, labelnames, registry=self.registry, **kw)
             return families[name]
 
+        # The frontend's queue bounds (vLLM's, labelled by model and reason, not by engine).
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Requests rejected at submission by a queue bound (--max-num-queued-reqs or "
+            "--max-num-queued-tokens), by which.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self.admission_rejections = {
+            reason: rejections.labels(model_name=model_name, reason=reason)
+            for reason in ADMISSION_REASONS
+        }
         self._engines = [
             _EngineMetrics(
                 family,
@@ -236,6 +253,10 @@ class PrometheusStatLogger:
             )
             for index in range(num_engines)
         ]
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """One request rejected by the queue bound `reason` (ADMISSION_REASONS)."""
+        self.admission_rejections[reason].inc()
 
     def record(
         self,

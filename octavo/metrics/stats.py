@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from octavo.core.request import FinishReason
 
+# Why the serving frontend rejected a request at submission: the queue bound it met (vLLM's
+# label values of vllm:admission_rejections; engine/queue_limits.py checks the bounds).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+
 
 class KVBlockEvent(enum.IntEnum):
     """What the block pool reports of a KV block it samples for residency metrics (vLLM's

@@ -55,6 +55,11 @@ def test_a_request_beyond_max_num_queued_reqs_gets_503_while_the_others_complete
             response = client.post(COMPLETIONS, json={"prompt": "the cat", "max_tokens": 2})
             assert response.status_code == 200
             assert response.json()["choices"][0]["finish_reason"] == "length"
+            # Both rejections counted by the bound that made them (vLLM's series).
+            metrics = client.get("/metrics").text
+            series = 'vllm:admission_rejections_total{model_name="mock",reason="%s"}'
+            assert series % "max_num_queued_reqs" + " 2.0" in metrics
+            assert series % "max_num_queued_tokens" + " 0.0" in metrics
 
 
 def test_the_offline_llm_takes_every_prompt_whatever_the_bounds() -> None:

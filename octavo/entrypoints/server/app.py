@@ -503,6 +503,7 @@ def make_server_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> Fa
     engine = async_engine.engine
     stat_logger = stat_logger_for(engine.config, engine.num_replicas)
     engine.add_stat_logger(stat_logger)
+    async_engine.queue_limits.on_reject = stat_logger.record_admission_rejection
     return build_app(async_engine, config, stat_logger)
 
 
