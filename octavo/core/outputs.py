@@ -19,6 +19,11 @@ class TokenLogprobs:
     sampled_rank: int
 
 
+# The logprobs of prompt tokens 1.. in order: each entry's "sampled" token is the prompt token
+# itself, scored by the logits of the position before it (the first prompt token has none).
+PromptTokenLogprobs = list[TokenLogprobs]
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     # Every request scheduled this step, in the runner's batch order.
@@ -30,6 +35,9 @@ class ModelRunnerOutput:
     # Requests whose own preparation or sampling raised this step (request id -> why): they
     # got no token, and the scheduler ends them with FINISHED_ERROR. The rest ran normally.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and sampled their first token this step: all of
+    # their prompt's logprobs, gathered across its chunks (once per request).
+    prompt_logprobs: dict[str, PromptTokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -46,3 +54,5 @@ class EngineCoreOutput:
     # Why the engine could not run it (finish_reason ERROR only).
     error: str | None = None
     num_cached_tokens: int = 0
+    # Set once, beside the first token, for a request that asked for prompt logprobs.
+    prompt_logprobs: PromptTokenLogprobs | None = None

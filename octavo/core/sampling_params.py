@@ -112,6 +112,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's: for each prompt token after the first, its logprob and the top prompt_logprobs
+    # (-1: the whole vocabulary), in RequestOutput.prompt_logprobs. A request that asks for
+    # them recomputes its whole prompt: it never reads the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -173,6 +177,12 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < -1
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer or -1")
         if self.seed is not None:
             if not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED:
                 raise bad("seed", self.seed, "a 64-bit integer")

@@ -375,6 +375,7 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
                 )
             )
         if finished_any:

@@ -209,6 +209,14 @@ class InputProcessor:
                 f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
                 "(--max-logprobs) allows."
             )
+        if params.prompt_logprobs is not None:
+            # -1 is the whole vocabulary (vLLM's rule), bounded like any other count.
+            num = self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            if num > self.max_logprobs:
+                raise ValueError(
+                    f"prompt_logprobs={num} is more than max_logprobs={self.max_logprobs} "
+                    "(--max-logprobs) allows."
+                )
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]
             if bad:

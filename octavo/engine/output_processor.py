@@ -20,8 +20,10 @@ from octavo.core.sampling_params import RequestOutputKind, SamplingParams
 from octavo.engine.detokenizer import Detokenizer, get_backend_tokenizer
 from octavo.engine.outputs import (
     CompletionOutput,
+    PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
+    to_prompt_logprobs,
     to_sample_logprobs,
 )
 
@@ -77,6 +79,10 @@ class _RequestState:
     output_kind: OutputKind
     completions: list[_CompletionState]
     num_unfinished: int
+    # Asked for: they arrive once (from whichever child is first, for n > 1: each computes
+    # the same), and DELTA sends them once.
+    prompt_logprobs: PromptLogprobs | None = None
+    is_prompt_logprobs_sent: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -131,7 +137,12 @@ class OutputProcessor:
             for index, core_id in enumerate(core_ids)
         ]
         self._requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, output_kind, completions, len(completions)
+            request_id,
+            prompt,
+            prompt_token_ids,
+            output_kind,
+            completions,
+            len(completions),
         )
         for completion in completions:
             self._completions[completion.core_request_id] = completion
@@ -169,6 +180,10 @@ class OutputProcessor:
                 completion.stop_reason = output.stop_reason
                 completion.error = output.error
             request = self._requests[completion.parent_id]
+            if output.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = to_prompt_logprobs(
+                    output.prompt_logprobs, self._decode_token
+                )
             if completion.finish_reason is not None:
                 self._finish_completion(request, completion)
             if completion.is_changed:
@@ -266,6 +281,12 @@ class OutputProcessor:
         if not completions:
             return None
         reported = [c.num_cached_tokens for c in request.completions if c.num_cached_tokens >= 0]
+        prompt_logprobs = request.prompt_logprobs
+        if kind == OutputKind.DELTA:
+            if request.is_prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                request.is_prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -274,6 +295,7 @@ class OutputProcessor:
             finished=request.is_finished,
             # For n > 1: the prompt tokens every sample found cached.
             num_cached_tokens=min(reported, default=0),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _decode_token(self, token_id: int) -> str:

@@ -18,6 +18,9 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob (the sampled token and the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then a dict as above
+# whose "sampled" token is that prompt token.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -46,6 +49,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the request asked for prompt_logprobs (vLLM's field); under DELTA output, only
+    # in the first RequestOutput.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def to_sample_logprobs(
@@ -63,5 +69,28 @@ def to_sample_logprobs(
         entry[sampled] = Logprob(
             position.logprobs[0], position.sampled_rank, decode(sampled) if decode else None
         )
+        result.append(entry)
+    return result
+
+
+def to_prompt_logprobs(
+    token_logprobs: list[TokenLogprobs], decode: Callable[[int], str] | None = None
+) -> PromptLogprobs:
+    """The runner's logprobs of prompt tokens 1.. as vLLM's prompt_logprobs: None for the
+    first token, then per token a dict with the prompt token's own entry first, then the top-k
+    (a prompt token among them keeps its own rank)."""
+    result: PromptLogprobs = [None]
+    for position in token_logprobs:
+        token_id = position.token_ids[0]
+        entry = {
+            token_id: Logprob(
+                position.logprobs[0], position.sampled_rank, decode(token_id) if decode else None
+            )
+        }
+        for rank, (top_id, logprob) in enumerate(
+            zip(position.token_ids[1:], position.logprobs[1:]), start=1
+        ):
+            if top_id != token_id:
+                entry[top_id] = Logprob(logprob, rank, decode(top_id) if decode else None)
         result.append(entry)
     return result

@@ -72,33 +72,40 @@ def decode_request(item: list[Any]) -> EngineCoreRequest:
 # --- outputs ----------------------------------------------------------------------------------
 
 
+def _encode_logprobs(positions: list[TokenLogprobs] | None) -> list[Any] | None:
+    if positions is None:
+        return None
+    return [[lp.token_ids, lp.logprobs, lp.sampled_rank] for lp in positions]
+
+
+def _decode_logprobs(items: list[Any] | None) -> list[TokenLogprobs] | None:
+    return None if items is None else [TokenLogprobs(*lp) for lp in items]
+
+
 def encode_output(output: EngineCoreOutput) -> list[Any]:
-    logprobs = (
-        None
-        if output.new_logprobs is None
-        else [[lp.token_ids, lp.logprobs, lp.sampled_rank] for lp in output.new_logprobs]
-    )
     return [
         output.request_id,
         output.new_token_ids,
-        logprobs,
+        _encode_logprobs(output.new_logprobs),
         None if output.finish_reason is None else output.finish_reason.value,
         output.stop_reason,
         output.error,
         output.num_cached_tokens,
+        _encode_logprobs(output.prompt_logprobs),
     ]
 
 
 def decode_output(item: list[Any]) -> EngineCoreOutput:
-    request_id, token_ids, logprobs, finish_reason, stop_reason, error, num_cached = item
+    request_id, token_ids, logprobs, finish_reason, stop_reason, error, num_cached, prompt = item
     return EngineCoreOutput(
         request_id,
         token_ids,
-        None if logprobs is None else [TokenLogprobs(*lp) for lp in logprobs],
+        _decode_logprobs(logprobs),
         None if finish_reason is None else FinishReason(finish_reason),
         stop_reason,
         error,
         num_cached,
+        _decode_logprobs(prompt),
     )
 
 

@@ -10,6 +10,11 @@ to that request: it is left out of the step and reported in ModelRunnerOutput.fa
 rest of the batch runs as if it had not been there (a failed batched draw is redone row by
 row from the same logits and generator states). Only what cannot be pinned to one request
 (the forward itself) raises.
+
+Logits are computed where a token is sampled, and, for a request that asked for prompt
+logprobs, at every prompt position of each of its chunks but the prompt's last (whose logits
+sample the first token). Those are scored chunk by chunk, keeping only the requested top-k on
+the host, gathered in order across the chunks, and returned once, beside the first token.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.core.outputs import ModelRunnerOutput, TokenLogprobs
+from octavo.core.outputs import ModelRunnerOutput, PromptTokenLogprobs, TokenLogprobs
 from octavo.core.scheduler_output import NewRequestData, SchedulerOutput
 from octavo.model.attention.layer import PagedAttention
 from octavo.model.attention.metadata import AttentionMetadata
@@ -33,10 +38,15 @@ from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
+from octavo.sample.ops.logprobs import compute_logprobs, gather_logprobs
 from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+# Prompt positions scored per log_softmax pass: bounds the (rows, vocab) float32 logits a long
+# prompt chunk would otherwise make at once.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -50,9 +60,14 @@ class StepInputs:
     # Rows (subset of scheduled_rows) whose last scheduled token is sampled, and the flat index
     # of that token.
     sample_rows: list[int]
-    logits_indices: torch.Tensor  # (num_sampled,) int64
+    # (num_sampled + num_prompt_positions,) int64: the flat indices of the sampled tokens, then
+    # those of prompt_chunks' positions, chunk after chunk.
+    logits_indices: torch.Tensor
     # Per scheduled row: the token count in the cache once this step has run.
     seq_lens: list[int]
+    # (row, first position, number of positions) of the prompt positions whose logits score
+    # the prompt token after them, for rows that asked for prompt logprobs.
+    prompt_chunks: list[tuple[int, int, int]]
 
 
 class ModelRunner:
@@ -99,6 +114,8 @@ class ModelRunner:
         # Seeded requests keep their generator across preemptions, so a preempted request
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}
+        # Requests whose prompt logprobs are being gathered, and those of the chunks so far.
+        self.prompt_logprobs: dict[str, PromptTokenLogprobs] = {}
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         cache = self._cache_config
@@ -166,7 +183,9 @@ class ModelRunner:
             inputs.attn_plan,
             inputs.logits_indices,
         )
-        sampled = self._sample(hidden_states, inputs, scheduler_output, failed)
+        num_sampled = len(inputs.sample_rows)
+        self._score_prompts(hidden_states[num_sampled:], inputs, failed)
+        sampled = self._sample(hidden_states[:num_sampled], inputs, scheduler_output, failed)
         return self._make_output(inputs, sampled, failed)
 
     # --- persistent batch -------------------------------------------------------------------
@@ -176,8 +195,11 @@ class ModelRunner:
         for request_id in scheduler_output.finished_req_ids:
             batch.remove(request_id)
             self.generators.pop(request_id, None)
+            self.prompt_logprobs.pop(request_id, None)
         for request_id in scheduler_output.preempted_req_ids:
             batch.remove(request_id)
+            # Recomputed from the first position on resume (if it has no token yet).
+            self.prompt_logprobs.pop(request_id, None)
         for data in scheduler_output.scheduled_new_reqs:
             try:
                 self._add_request(data)
@@ -185,6 +207,7 @@ class ModelRunner:
                 failed[data.request_id] = _failure(data.request_id, exc, "joining the batch")
                 batch.remove(data.request_id)
                 self.generators.pop(data.request_id, None)
+                self.prompt_logprobs.pop(data.request_id, None)
         for data in scheduler_output.scheduled_cached_reqs:
             row = batch.row_of[data.request_id]
             batch.append_block_ids(row, data.new_block_ids, data.new_group_block_ids)
@@ -198,6 +221,9 @@ class ModelRunner:
             generator.manual_seed(seed)
             self.generators[data.request_id] = generator
         self.input_batch.add(data, generator)
+        # A request resumed with output tokens has had its prompt logprobs (with its first).
+        if data.sampling_params.prompt_logprobs is not None and not data.output_token_ids:
+            self.prompt_logprobs[data.request_id] = []
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs | None:
         """The step's flat inputs, or None when no scheduled request is in the batch."""
@@ -211,6 +237,8 @@ class ModelRunner:
         token_chunks, position_chunks, slot_chunks = [], [], []
         group_slot_chunks: list[list[np.ndarray]] = [[] for _ in batch.group_tables]
         query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
+        prompt_chunks: list[tuple[int, int, int]] = []
+        prompt_indices: list[np.ndarray] = []
         for row in scheduled_rows:
             start = int(batch.num_computed_tokens[row])
             end = start + num_scheduled[batch.rows[row].request_id]
@@ -223,6 +251,13 @@ class ModelRunner:
             for table, chunks in zip(batch.group_tables, group_slot_chunks, strict=True):
                 group_ids = table[row, positions // self.block_size].astype(np.int64)
                 chunks.append(group_ids * self.block_size + positions % self.block_size)
+            if batch.rows[row].request_id in self.prompt_logprobs:
+                # Positions start .. last - 1 score prompt tokens start + 1 .. last; the
+                # prompt's last position samples instead.
+                last = min(end, int(batch.num_prompt_tokens[row]) - 1)
+                if last > start:
+                    prompt_chunks.append((row, start, last - start))
+                    prompt_indices.append(np.arange(last - start) + query_start_loc[-1])
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             # Only a request whose every known token has been computed yields a new one;
@@ -260,12 +295,52 @@ class ModelRunner:
             attn_plan=attn_plan,
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
-            logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),
+            logits_indices=self._to_device(
+                np.concatenate([np.asarray(logits_indices), *prompt_indices]).astype(np.int64)
+            ),
             seq_lens=seq_lens,
+            prompt_chunks=prompt_chunks,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    # --- prompt logprobs --------------------------------------------------------------------
+
+    def _score_prompts(
+        self, hidden_states: torch.Tensor, inputs: StepInputs, failed: dict[str, str]
+    ) -> None:
+        """Append to each prompt_chunks request's gathered prompt logprobs those of this
+        chunk: per position, the next prompt token's log_softmax value and rank, then the top
+        k (the raw model distribution, as vLLM reports prompt logprobs whatever its
+        logprobs_mode). `hidden_states` holds the chunks' positions in order. A request whose
+        scoring raises is in `failed`."""
+        batch = self.input_batch
+        offset = 0
+        for row, first, count in inputs.prompt_chunks:
+            chunk, offset = hidden_states[offset : offset + count], offset + count
+            state = batch.rows[row]
+            k = state.sampling_params.prompt_logprobs
+            k = self.vocab_size if k == -1 else k
+            targets = batch.token_ids[row, first + 1 : first + 1 + count].astype(np.int64)
+            try:
+                for lo in range(0, count, PROMPT_LOGPROBS_ROWS):
+                    hi = lo + PROMPT_LOGPROBS_ROWS
+                    logprobs = compute_logprobs(self.model.compute_logits(chunk[lo:hi]))
+                    top = gather_logprobs(logprobs, k, self._to_device(targets[lo:hi]))
+                    self.prompt_logprobs[state.request_id].extend(
+                        map(
+                            TokenLogprobs,
+                            top.token_ids.tolist(),
+                            top.logprobs.tolist(),
+                            top.sampled_ranks.tolist(),
+                        )
+                    )
+            except Exception as exc:
+                failed[state.request_id] = _failure(
+                    state.request_id, exc, "computing prompt logprobs"
+                )
+                self.prompt_logprobs.pop(state.request_id, None)
 
     # --- sampling ---------------------------------------------------------------------------
 
@@ -413,9 +488,13 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         batch = self.input_batch
         req_ids, sampled_token_ids, logprobs = [], [], []
+        prompt_logprobs: dict[str, PromptTokenLogprobs] = {}
         for row, seq_len in zip(inputs.scheduled_rows, inputs.seq_lens):
             batch.num_computed_tokens[row] = seq_len
-            req_ids.append(batch.rows[row].request_id)
+            request_id = batch.rows[row].request_id
+            req_ids.append(request_id)
+            if row in sampled and request_id in self.prompt_logprobs:
+                prompt_logprobs[request_id] = self.prompt_logprobs.pop(request_id)
             if row in sampled:
                 token_id, entry = sampled[row]
                 batch.append_token(row, token_id)
@@ -424,7 +503,7 @@ class ModelRunner:
             else:
                 sampled_token_ids.append([])
                 logprobs.append(None)
-        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, failed)
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, failed, prompt_logprobs)
 
 
 def _failure(request_id: str, exc: Exception, stage: str) -> str:

@@ -253,3 +253,39 @@ def test_add_request_checks_ids(processor) -> None:
         False,
     ]
     assert processor.get_num_unfinished_requests() == 2
+
+
+# Prompt tokens 4093 and 198 scored by the positions before them: each its own value and
+# rank, then the top 1.
+PROMPT_LOGPROBS = [
+    TokenLogprobs([4093, HELLO], [-2.5, -0.5], 3),
+    TokenLogprobs([198, 198], [-0.1, -0.1], 1),
+]
+
+
+@pytest.mark.parametrize("kind", [OutputKind.DELTA, OutputKind.CUMULATIVE])
+def test_prompt_logprobs_arrive_once_as_vllm_shapes_them(processor, kind) -> None:
+    """vLLM's form: None for the first prompt token, then the prompt token's entry first and
+    the top k; DELTA sends them in the first output only, CUMULATIVE in every one; for n > 1
+    the first child's are the request's."""
+    add(processor, "r", kind, child_ids=["r-0", "r-1"], n=2, prompt_logprobs=1)
+    first = processor.process_outputs(
+        [
+            core("r-0", HELLO, prompt_logprobs=PROMPT_LOGPROBS),
+            core("r-1", WORLD, prompt_logprobs=PROMPT_LOGPROBS),
+        ]
+    )
+    prompt_logprobs = first.request_outputs[0].prompt_logprobs
+    assert prompt_logprobs == [
+        None,
+        {4093: Logprob(-2.5, 3, "user"), HELLO: Logprob(-0.5, 1, "Hello")},
+        {198: Logprob(-0.1, 1, "\n")},
+    ]
+    assert list(prompt_logprobs[1]) == [4093, HELLO]
+    later = processor.process_outputs([core("r-0", DOT)]).request_outputs[0]
+    assert later.prompt_logprobs == (None if kind == OutputKind.DELTA else prompt_logprobs)
+
+
+def test_no_prompt_logprobs_unless_asked(processor) -> None:
+    add(processor, "r", OutputKind.CUMULATIVE)
+    assert processor.process_outputs([core("r", HELLO)]).request_outputs[0].prompt_logprobs is None

@@ -53,6 +53,9 @@ class _SamplingFields(_Request):
     # Lower runs earlier; anything but 0 needs `--scheduling-policy priority` (checked by the
     # handler, 400 naming it).
     priority: int = 0
+    # For each prompt token after the first, its logprob and the top N (-1: the vocabulary);
+    # not with stream (checked by the handler). The response's `prompt_logprobs`.
+    prompt_logprobs: int | None = None
 
 
 class StructuredOutputsRequest(_Request):
@@ -181,12 +184,37 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position, as vLLM's `prompt_logprobs` entries carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: null for the first, then token id -> its logprob, the prompt
+# token's own entry first.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _drop_if_none(data: dict[str, Any], name: str) -> dict[str, Any]:
+    if data.get(name) is None:
+        data.pop(name, None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Only when the request asked for prompt logprobs (prompt_logprobs, or echo with logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -256,6 +284,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    # Only when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "prompt_logprobs")
 
 
 class DeltaFunctionCall(BaseModel):

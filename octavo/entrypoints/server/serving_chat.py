@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from octavo.core.request import FinishReason
 from octavo.engine.async_engine import EngineRequest
-from octavo.engine.outputs import CompletionOutput
+from octavo.engine.outputs import CompletionOutput, PromptLogprobs
 from octavo.entrypoints.server.chat_render import chat_render_from
 from octavo.entrypoints.server.errors import bad_request
 from octavo.entrypoints.server.protocol import (
@@ -53,6 +53,7 @@ from octavo.entrypoints.server.serving_common import (
     check_model,
     check_num_sequences,
     check_priority,
+    check_prompt_logprobs,
     clamp_logprob,
     collect_body,
     engine_error_body,
@@ -63,6 +64,7 @@ from octavo.entrypoints.server.serving_common import (
     make_usage,
     new_request_id,
     process_prompt,
+    prompt_logprobs_body,
     respond,
     sse,
 )
@@ -120,6 +122,7 @@ class OpenAIServingChat:
             )
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
+        check_prompt_logprobs(request)
         tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
         template_kwargs = {
             **(context.default_chat_template_kwargs or {}),
@@ -187,12 +190,15 @@ class _Run:
             for _ in range(request.n)
         ]
         self.num_top_logprobs = request.top_logprobs or 0
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     async def _outputs(self) -> AsyncIterator[CompletionOutput]:
         engine = self.context.async_engine
         async with aclosing(engine.generate([self.engine_request])) as outputs:
             async for output in outputs:
                 self.usage.update(output)
+                if output.prompt_logprobs is not None:
+                    self.prompt_logprobs = output.prompt_logprobs
                 for completion in output.outputs:
                     yield completion
 
@@ -243,6 +249,7 @@ class _Run:
             model=self.context.model_name,
             choices=choices,
             usage=self._usage(),
+            prompt_logprobs=prompt_logprobs_body(self.prompt_logprobs),
         )
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:

@@ -33,7 +33,7 @@ from octavo.engine.async_engine import (
     EngineStepError,
 )
 from octavo.engine.input_processor import ProcessedPrompt
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.outputs import PromptLogprobs, RequestOutput
 from octavo.engine.queue_limits import QueueOverflowError
 from octavo.entrypoints.server.errors import (
     OpenAIError,
@@ -41,7 +41,7 @@ from octavo.entrypoints.server.errors import (
     error_body,
     from_value_error,
 )
-from octavo.entrypoints.server.protocol import PromptTokensDetails, UsageInfo
+from octavo.entrypoints.server.protocol import PromptLogprob, PromptTokensDetails, UsageInfo
 from octavo.entrypoints.server.request_body import check_body_size, read_body
 
 T = TypeVar("T")
@@ -367,6 +367,33 @@ def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: i
 
 def clamp_logprob(value: float) -> float:
     return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def check_prompt_logprobs(request: Any) -> None:
+    """vLLM's rule: prompt logprobs are not streamed (0 asks for none, so it may be)."""
+    num = request.prompt_logprobs
+    if request.stream and num is not None and (num > 0 or num == -1):
+        raise bad_request(
+            "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
+
+
+def prompt_logprobs_body(prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """A RequestOutput's prompt_logprobs as the response's field: -inf clamped as every
+    reported logprob is."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            token_id: PromptLogprob(
+                logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
 
 
 def decoded(token: str | None) -> str:

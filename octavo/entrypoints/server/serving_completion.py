@@ -2,7 +2,10 @@
 
 Owns the request -> engine requests mapping (one engine request per prompt; `n` samples per
 prompt come back as completion indices, choice index = prompt index * n + sample index) and the
-response and chunk shapes, including legacy `logprobs` and `echo`.
+response and chunk shapes, including legacy `logprobs` and `echo`. With both, the prompt's
+tokens come first in `logprobs` (vLLM's and OpenAI's form: the first token has no logprob and
+no top logprobs), from prompt logprobs the request then asks for (prompt_logprobs=logprobs
+unless it sets its own); `text_offset` counts the prompt's token texts, then the completion's.
 
 Must not: step the engine or wait on anything but the AsyncEngine stream; tokenization happens
 here (before submitting) so the step loop never waits on it.
@@ -10,6 +13,7 @@ here (before submitting) so the step loop never waits on it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from octavo.engine.async_engine import EngineRequest
-from octavo.engine.outputs import CompletionOutput
+from octavo.engine.outputs import CompletionOutput, PromptLogprobs
 from octavo.entrypoints.server.errors import bad_request
 from octavo.entrypoints.server.protocol import (
     CompletionChoice,
@@ -36,6 +40,7 @@ from octavo.entrypoints.server.serving_common import (
     check_model,
     check_num_sequences,
     check_priority,
+    check_prompt_logprobs,
     clamp_logprob,
     collect_body,
     decoded,
@@ -47,6 +52,7 @@ from octavo.entrypoints.server.serving_common import (
     make_usage,
     new_request_id,
     process_prompt,
+    prompt_logprobs_body,
     respond,
     sse,
 )
@@ -91,6 +97,9 @@ class OpenAIServingCompletion:
         limit = generation_max_tokens(context, request.max_tokens)
         max_tokens = request.max_tokens if limit is None else None
         params = make_sampling_params(context, request, max_tokens, request.logprobs, {})
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            # The echoed prompt's logprobs (vLLM's rule): the same count as the completion's.
+            params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
         processor = context.async_engine.engine.input_processor
         engine_requests: list[EngineRequest] = []
         request_id = new_request_id("cmpl")
@@ -126,10 +135,7 @@ def _check_unsupported(request: CompletionRequest) -> None:
         raise bad_request("suffix is not supported.", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported.", "best_of")
-    if request.echo and request.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs needs prompt logprobs, which are not supported.", "echo"
-        )
+    check_prompt_logprobs(request)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
@@ -163,6 +169,8 @@ class _Run:
         self.created = int(time.time())
         self.prompt_index = {r.request_id: i for i, r in enumerate(engine_requests)}
         self.usage = [PromptUsage(len(r.prompt.prompt_token_ids)) for r in engine_requests]
+        # Per prompt, once they arrive (a DELTA stream sends them in its first output only).
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(engine_requests)
         n = request.n
         self.choices = [_Choice() for _ in range(len(engine_requests) * n)]
         if request.logprobs is not None:
@@ -176,6 +184,8 @@ class _Run:
             async for output in outputs:
                 prompt_index = self.prompt_index[output.request_id]
                 self.usage[prompt_index].update(output)
+                if output.prompt_logprobs is not None:
+                    self.prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for completion in output.outputs:
                     yield prompt_index * self.request.n + completion.index, completion
 
@@ -186,8 +196,17 @@ class _Run:
         if not choice.is_started:
             choice.is_started = True
             if self.echoes:
-                text = self.echoes[index // self.request.n] + text
+                prompt_index = index // self.request.n
+                text = self.echoes[prompt_index] + text
                 choice.offset = len(text) - len(completion.text)
+                prompt_logprobs = self.prompt_logprobs[prompt_index]
+                if choice.logprobs is not None and prompt_logprobs is not None:
+                    choice.offset = _append_prompt_logprobs(
+                        self.context,
+                        choice.logprobs,
+                        self.engine_requests[prompt_index].prompt.prompt_token_ids,
+                        prompt_logprobs,
+                    )
         choice.num_tokens += len(completion.token_ids)
         if choice.logprobs is not None and completion.logprobs is not None:
             choice.offset = _append_logprobs(
@@ -221,6 +240,9 @@ class _Run:
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_logprobs=prompt_logprobs_body(
+                        self.prompt_logprobs[index // self.request.n]
+                    ),
                 )
                 for index, choice in enumerate(self.choices)
             ],
@@ -295,6 +317,39 @@ def _append_logprobs(
                 for top_id, lp in ranked
             }
         )
+    return offset
+
+
+def _append_prompt_logprobs(
+    context: ServingContext,
+    logprobs: CompletionLogprobs,
+    prompt_token_ids: list[int],
+    prompt_logprobs: PromptLogprobs,
+) -> int:
+    """Append the echoed prompt's positions to `logprobs` (the first with neither a logprob
+    nor top logprobs); returns the text offset after them. Offsets start at 0 and add each
+    token's text, as vLLM counts them."""
+    offset = 0
+    engine = context.async_engine.engine
+    for token_id, position in zip(prompt_token_ids, prompt_logprobs, strict=True):
+        if position is None:
+            text = engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            logprobs.tokens.append(logprob_token(context, token_id, text))
+            logprobs.token_logprobs.append(None)
+            logprobs.top_logprobs.append(None)
+        else:
+            own = position[token_id]
+            text = decoded(own.decoded_token)
+            logprobs.tokens.append(logprob_token(context, token_id, text))
+            logprobs.token_logprobs.append(clamp_logprob(own.logprob))
+            logprobs.top_logprobs.append(
+                {
+                    logprob_token(context, top_id, lp.decoded_token): clamp_logprob(lp.logprob)
+                    for top_id, lp in sorted(position.items(), key=lambda item: item[1].rank or 0)
+                }
+            )
+        logprobs.text_offset.append(offset)
+        offset += len(text)
     return offset
 
 
