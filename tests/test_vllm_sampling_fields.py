@@ -120,7 +120,7 @@ VLLM_CHAT_EXTRAS: dict[str, object] = {
     "return_prompt_text": True,
     "include_reasoning": False,
 }
-# Left to their own change: prompt_logprobs (both bodies) and echo.
+# Not audited here: prompt_logprobs (both bodies) and echo.
 NOT_AUDITED = {"prompt_logprobs", "echo"}
 
 OCTAVO_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
