@@ -76,3 +76,61 @@ def test_output_kind_is_vllms() -> None:
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", [True]),
+        ("bad_words", ["ok", " "]),
+        ("bad_words", [7]),
+        ("bad_words", [f"w{i}" for i in range(200)]),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+    ],
+)
+def test_token_rules_name_the_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_token_rules_keep_vllms_forms_and_clone_apart() -> None:
+    p = SamplingParams(allowed_token_ids=(5, 6), bad_words=["a b", "c", "a b"])
+    assert p.allowed_token_ids == [5, 6] and p.bad_words == ["a b", "c"]
+    assert SamplingParams().bad_words == [] and SamplingParams().allowed_token_ids is None
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    q = p.clone()
+    q.allowed_token_ids.append(7)
+    q.bad_words.append("d")
+    assert p.allowed_token_ids == [5, 6] and p.bad_words == ["a b", "c"]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprob_token_ids", [1]),
+        ("prompt_logprob_token_ids", [1]),
+        ("prompt_logprob_start", 2),
+        ("flat_logprobs", True),
+        ("detokenize", False),
+        ("stream_interval", 4),
+        ("skip_clone", True),
+        ("extra_args", {"k": 1}),
+        ("skip_reading_prefix_cache", True),
+        ("thinking_token_budget", 64),
+        ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}),
+        ("routed_experts_prompt_start", 3),
+        ("trace_decode_token_ids", [1, 2]),
+    ],
+)
+def test_vllm_fields_octavo_lacks_are_refused_unless_off(field: str, value) -> None:
+    """Each is a ValueError naming it, never a value kept and ignored; its "off" value (vLLM's
+    default) is accepted, so code written for vLLM that spells the default still runs."""
+    from octavo.core.sampling_params import UNSUPPORTED_FIELDS
+
+    with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
+        SamplingParams(**{field: value})
+    for off in UNSUPPORTED_FIELDS[field]:
+        SamplingParams(**{field: off})

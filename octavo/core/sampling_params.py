@@ -22,6 +22,27 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by a tiny
 # temperature overflows, and the result would be argmax anyway.
 _GREEDY_TEMPERATURE_EPS = 1e-5
+# The most bad_words one request may list (each is tokenized twice when it is admitted).
+MAX_BAD_WORDS = 128
+
+# vLLM SamplingParams fields octavo does not implement, each with the values that mean "off"
+# (vLLM's default, and None). Setting one to anything else is a ValueError naming it, so that
+# no vLLM field is ever silently ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None,),
+    "logprob_token_ids": (None,),
+    "flat_logprobs": (None, False),
+    "detokenize": (None, True),
+    "stream_interval": (None, 1),
+    "skip_clone": (None, False),
+    "extra_args": (None,),
+    "skip_reading_prefix_cache": (None, False),
+    "thinking_token_budget": (None, -1),
+    "repetition_detection": (None,),
+    "routed_experts_prompt_start": (None, 0),
+    "trace_decode_token_ids": (None,),
+}
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -121,9 +142,37 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Only these token ids may be sampled (vLLM's); ids beyond the vocabulary are refused
+    # when the request is added.
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated (vLLM's rule): each is tokenized with and without a
+    # leading space, and a sequence's last token is forbidden wherever the output so far ends
+    # with the tokens before it.
+    bad_words: list[str] | None = None
+    # Keep only the last N prompt tokens (vLLM's); -1: as many as max_model_len leaves
+    # after max_tokens (all but one when max_tokens is None).
+    truncate_prompt_tokens: int | None = None
     # How an engine that streams (AsyncLLMEngine, LLMEngine.step) reports this request; the
     # offline LLM and the server choose their own.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the engine when the request is added (bad_words as token id sequences); a value
+    # given here is replaced then.
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's fields octavo does not implement: only their "off" values are accepted
+    # (UNSUPPORTED_FIELDS).
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    extra_args: dict[str, Any] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -133,6 +182,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        # Duplicates dropped, order kept (vLLM's rule).
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -193,6 +246,27 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        for name, off in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            empty = isinstance(value, (list, dict)) and not value
+            if not empty and not any(
+                value is v or (type(value) is type(v) and value == v) for v in off
+            ):
+                raise ValueError(f"{name}={value!r} is not supported by octavo.")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strings")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise bad("bad_words", len(self.bad_words), f"at most {MAX_BAD_WORDS} words")
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens)
+            or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
+        ):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 or at least 1")
         if self.output_kind not in tuple(RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.logit_bias is not None:
@@ -222,7 +296,15 @@ class SamplingParams:
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=None
+            if self.allowed_token_ids is None
+            else list(self.allowed_token_ids),
+            bad_words=list(self.bad_words),
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _float32(value: float) -> float:

@@ -68,7 +68,8 @@ class AsyncLLMEngine:
         try:
             # Tokenizing is the caller's work, kept off both the loop and the step thread.
             processor = self.async_engine.engine.input_processor
-            processed = await asyncio.to_thread(processor.process_prompt, prompt)
+            keep_last = processor.prompt_limit(sampling_params)
+            processed = await asyncio.to_thread(processor.process_prompt, prompt, True, keep_last)
             request = EngineRequest(
                 request_id,
                 processed,

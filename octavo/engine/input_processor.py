@@ -58,8 +58,10 @@ class InputProcessor:
         self.max_prompt_chars = max_model_len * max(longest, 1)
 
     def process_prompt(
-        self, prompt: PromptType, add_special_tokens: bool = True
+        self, prompt: PromptType, add_special_tokens: bool = True, keep_last: int | None = None
     ) -> ProcessedPrompt:
+        """Tokenize and check one prompt. keep_last: keep only its last tokens, before the
+        length check (prompt_limit's value for the request's params)."""
         if isinstance(prompt, Mapping):
             unknown = sorted(set(prompt) - PROMPT_KEYS)
             if unknown:
@@ -70,18 +72,18 @@ class InputProcessor:
                     "'prompt' or 'prompt_token_ids'."
                 )
             if "prompt_token_ids" in prompt:
-                return self._check_token_ids(None, list(prompt["prompt_token_ids"]))
+                return self._check_token_ids(None, list(prompt["prompt_token_ids"]), keep_last)
             if "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"], add_special_tokens)
+                return self.process_prompt(prompt["prompt"], add_special_tokens, keep_last)
             raise ValueError("prompt must hold 'prompt' or 'prompt_token_ids'.")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty.")
             self._check_size(len(prompt), "prompt")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return self._check_token_ids(prompt, token_ids)
+            return self._check_token_ids(prompt, token_ids, keep_last)
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return self._check_token_ids(None, list(prompt))
+            return self._check_token_ids(None, list(prompt), keep_last)
         raise ValueError(
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}."
         )
@@ -96,11 +98,13 @@ class InputProcessor:
         *,
         tools: list[Mapping[str, Any]] | None = None,
         add_special_tokens: bool = False,
+        keep_last: int | None = None,
     ) -> ProcessedPrompt:
         """Render with `chat_template` (default: the tokenizer's, which a `--chat-template`
         override replaced at load) and tokenize. `tools` are passed to the template, which
         renders them if it supports tools; `add_special_tokens` adds the tokenizer's special
-        tokens (BOS) on top of what the template writes. ValueError names the parameter."""
+        tokens (BOS) on top of what the template writes; `keep_last` is process_prompt's.
+        ValueError names the parameter."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list.")
         for message in messages:
@@ -158,7 +162,7 @@ class InputProcessor:
             raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
         # The template writes its own special tokens (BOS included); more only if asked.
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return self._check_token_ids(text, token_ids)
+        return self._check_token_ids(text, token_ids, keep_last)
 
     def _check_size(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
@@ -167,9 +171,49 @@ class InputProcessor:
                 f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars})."
             )
 
-    def _check_token_ids(self, prompt: str | None, token_ids: list[int]) -> ProcessedPrompt:
+    def prompt_limit(self, params: SamplingParams | None) -> int | None:
+        """How many prompt tokens `params` keeps (truncate_prompt_tokens; -1: what
+        max_model_len leaves after max_tokens, all but one without max_tokens); None: all."""
+        if params is None or params.truncate_prompt_tokens is None:
+            return None
+        if params.truncate_prompt_tokens == -1:
+            return max(1, self.max_model_len - (params.max_tokens or 1))
+        return params.truncate_prompt_tokens
+
+    def truncate(self, processed: ProcessedPrompt, params: SamplingParams) -> ProcessedPrompt:
+        """`processed` with only the last prompt_limit(params) tokens (itself when it fits).
+        The text stays the one the user gave."""
+        keep = self.prompt_limit(params)
+        if keep is None or len(processed.prompt_token_ids) <= keep:
+            return processed
+        return ProcessedPrompt(processed.prompt, processed.prompt_token_ids[-keep:])
+
+    def tokenize_bad_words(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """vLLM's bad_words as token id sequences: each word alone and after a space (a
+        word inside a text often tokenizes differently from one at its start); the spaced form
+        only when it is a different sequence of the same length. ValueError names bad_words
+        for a word that tokenizes to nothing or outside the vocabulary."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no token.")
+            sequences.append(bare)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        bad = [t for seq in sequences for t in seq if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words token id {bad[0]} is out of range for the vocab.")
+        return sequences
+
+    def _check_token_ids(
+        self, prompt: str | None, token_ids: list[int], keep_last: int | None = None
+    ) -> ProcessedPrompt:
         if not token_ids:
             raise ValueError("prompt must not be empty.")
+        if keep_last is not None:
+            token_ids = token_ids[-keep_last:]
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -221,6 +265,15 @@ class InputProcessor:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocab.")
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids entry {bad[0]} is out of range for vocab_size "
+                    f"{self.vocab_size}."
+                )
+        if params.bad_words:
+            self.tokenize_bad_words(params.bad_words)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is out of range for the vocab.")

@@ -259,11 +259,16 @@ def fan_out(
     if output_processor.has_request(request_id):
         raise ValueError(f"request_id {request_id!r} is already in use.")
     input_processor.check_priority(priority)
-    processed = (
-        prompt if isinstance(prompt, ProcessedPrompt) else input_processor.process_prompt(prompt)
-    )
+    if isinstance(prompt, ProcessedPrompt):
+        processed = input_processor.truncate(prompt, sampling_params)
+    else:
+        keep_last = input_processor.prompt_limit(sampling_params)
+        processed = input_processor.process_prompt(prompt, keep_last=keep_last)
     params = sampling_params.clone()
     resolved = input_processor.resolve_params(params, len(processed.prompt_token_ids))
+    params.bad_words_token_ids = (
+        input_processor.tokenize_bad_words(params.bad_words) if params.bad_words else None
+    )
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
     if params.n == 1:
         children = [(request_id, params)]

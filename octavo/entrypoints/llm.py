@@ -193,7 +193,10 @@ class LLM:
         for value in priorities:
             processor.check_priority(value)
         processed = [
-            p if isinstance(p, ProcessedPrompt) else processor.process_prompt(p) for p in prompts
+            processor.truncate(p, params)
+            if isinstance(p, ProcessedPrompt)
+            else processor.process_prompt(p, keep_last=processor.prompt_limit(params))
+            for p, params in zip(prompts, params_list)
         ]
         for prompt, params in zip(processed, params_list):
             processor.resolve_params(params, len(prompt.prompt_token_ids))  # checks only

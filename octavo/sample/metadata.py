@@ -86,6 +86,10 @@ class SamplingMetadata:
     output_token_ids: list[list[int]] = field(default_factory=list)
     # Rows still below min_tokens: row -> token ids that must not be sampled (EOS + stop ids).
     min_tokens_stop_ids: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Rows with allowed_token_ids: row -> the only token ids it may sample.
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Rows whose bad_words forbid tokens this step: row -> those token ids.
+    bad_words_banned: dict[int, frozenset[int]] = field(default_factory=dict)
     # Rows with a logit bias: row -> {token_id: bias added to the logit}.
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     # Largest `logprobs` k asked by any row; None when no row asked. Rows that asked for fewer

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.ops.allowed import apply_allowed_token_ids, apply_banned_token_ids
 from octavo.sample.ops.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from octavo.sample.ops.penalties import (
     apply_logit_bias,
@@ -52,7 +53,8 @@ class Sampler(nn.Module):
     1) Logprobs, if any row asked and the mode is raw: log_softmax of the raw logits (vLLM's
        default "raw_logprobs"), or a copy of them ("raw_logits"), before anything below
        touches them.
-    2) Logit bias: each row's {token_id: bias} is added.
+    2) Token masks: -inf outside a row's allowed_token_ids and on what its bad_words forbid
+       this step; then the logit bias: each row's {token_id: bias} is added.
     3) min_tokens: a row still below its min_tokens gets -inf on its EOS and stop ids.
     4) Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and
        presence over output tokens.
@@ -125,7 +127,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> None:
-        """Steps 2-4, in place: bias, min_tokens, penalties. Each is skipped when no row uses it."""
+        """Steps 2-4, in place: masks, bias, min_tokens, penalties. Each is skipped when no row
+        uses it."""
+        apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+        apply_banned_token_ids(logits, metadata.bad_words_banned)
         apply_logit_bias(logits, metadata.logit_bias)
         apply_min_tokens(logits, metadata.min_tokens_stop_ids)
         if metadata.has_penalties:

@@ -37,6 +37,7 @@ from octavo.model.backends.base import AttentionPlan
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
 from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
+from octavo.sample.ops.allowed import banned_by_bad_words
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
 from octavo.sample.ops.logprobs import compute_logprobs, gather_logprobs
 from octavo.sample.sampler import Sampler
@@ -444,10 +445,19 @@ class ModelRunner:
         temperature = batch.sampling["temperature"][rows]
         # 3) Per-row lookups only for the rows that need them.
         min_tokens_stop_ids: dict[int, frozenset[int]] = {}
+        bad_words_banned: dict[int, frozenset[int]] = {}
         for i, (row, state) in enumerate(zip(rows, states)):
             num_output = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
             if num_output < state.sampling_params.min_tokens and state.stop_token_ids:
                 min_tokens_stop_ids[i] = state.stop_token_ids
+            words = state.sampling_params.bad_words_token_ids
+            if words:
+                # Only the output's last tokens can complete a word.
+                end = int(batch.num_tokens[row])
+                start = max(int(batch.num_prompt_tokens[row]), end - max(map(len, words)) + 1)
+                banned = banned_by_bad_words(batch.token_ids[row, start:end].tolist(), words)
+                if banned:
+                    bad_words_banned[i] = frozenset(banned)
         requested = [
             s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None
         ]
@@ -458,6 +468,12 @@ class ModelRunner:
             scale_by_temperature=bool(((temperature != 0) & (temperature != 1)).any()),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             min_tokens_stop_ids=min_tokens_stop_ids,
+            allowed_token_ids={
+                i: s.sampling_params.allowed_token_ids
+                for i, s in enumerate(states)
+                if s.sampling_params.allowed_token_ids is not None
+            },
+            bad_words_banned=bad_words_banned,
             logit_bias={
                 i: s.sampling_params.logit_bias
                 for i, s in enumerate(states)

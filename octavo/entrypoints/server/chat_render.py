@@ -50,9 +50,10 @@ class ChatRender:
     # The request's own template (trusted); None: the server's.
     chat_template: str | None = None
 
-    def __call__(self, processor: InputProcessor) -> ProcessedPrompt:
+    def __call__(self, processor: InputProcessor, keep_last: int | None = None) -> ProcessedPrompt:
         """Raises OpenAIError (400 naming the parameter) when the conversation cannot be
-        rendered or does not fit max_model_len."""
+        rendered or does not fit max_model_len. keep_last: keep only the prompt's last tokens
+        (truncate_prompt_tokens)."""
         try:
             return processor.render_chat(
                 self.messages,
@@ -62,6 +63,7 @@ class ChatRender:
                 chat_template_kwargs=self.chat_template_kwargs,
                 tools=self.tools,
                 add_special_tokens=self.add_special_tokens,
+                keep_last=keep_last,
             )
         except ValueError as exc:
             message = str(exc)

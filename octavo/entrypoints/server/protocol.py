@@ -2,7 +2,9 @@
 
 Owns the request bodies (types only: value checks that name a parameter live in SamplingParams
 and the handlers) and the response and stream-chunk shapes. Unknown request fields are ignored,
-as OpenAI and vLLM do. Non-finite floats (NaN, Infinity) are rejected at parse time.
+as OpenAI and vLLM do, but vLLM's own fields that octavo does not implement are declared
+`Refused`: a value other than the one meaning "off" is a 400 naming the field, never dropped.
+Non-finite floats (NaN, Infinity) are rejected at parse time.
 
 Must not: hold behaviour beyond parsing and shaping; handlers convert to engine types.
 """
@@ -10,9 +12,64 @@ Must not: hold behaviour beyond parsing and shaping; handlers convert to engine 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_serializer,
+)
+
+# vLLM request fields octavo does not implement, with the values that mean "off" (vLLM's
+# default; None and an empty list or object are always off).
+REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "watermarking": (False,),
+    "length_penalty": (1.0,),
+    "truncation_side": ("left",),
+    "logprob_token_ids": (),
+    "prompt_embeds": (),
+    "request_id": (),
+    "session_id": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (False,),
+    "return_mm_kwargs": (True,),
+    "return_prompt_text": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": (),
+    "repetition_detection": (),
+    "thinking_token_budget": (-1,),
+    "stream_interval": (1,),
+    "include_reasoning": (True,),
+    "documents": (),
+    "media_io_kwargs": (),
+    "mm_processor_kwargs": (),
+}
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    if value is None or (isinstance(value, (list, dict)) and not value):
+        return True
+    # True == 1 in Python; a bool is off only where a bool is.
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off)
+
+
+def _refuse_unless_off(value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or ""
+    if not _is_off(value, REFUSED_OFF_VALUES[name]):
+        raise ValueError(f"{name}={value!r} is not supported by octavo")
+    return value
+
+
+# A vLLM field octavo refuses (see REFUSED_OFF_VALUES).
+Refused = Annotated[Any, AfterValidator(_refuse_unless_off)]
 
 
 class _Request(BaseModel):
@@ -56,6 +113,29 @@ class _SamplingFields(_Request):
     # For each prompt token after the first, its logprob and the top N (-1: the vocabulary);
     # not with stream (checked by the handler). The response's `prompt_logprobs`.
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's fields refused unless off (REFUSED_OFF_VALUES).
+    use_beam_search: Refused = None
+    watermarking: Refused = None
+    length_penalty: Refused = None
+    truncation_side: Refused = None
+    logprob_token_ids: Refused = None
+    request_id: Refused = None
+    session_id: Refused = None
+    return_tokens_as_token_ids: Refused = None
+    return_token_ids: Refused = None
+    routed_experts_prompt_start: Refused = None
+    return_token_offsets: Refused = None
+    return_mm_kwargs: Refused = None
+    cache_salt: Refused = None
+    kv_transfer_params: Refused = None
+    ec_transfer_params: Refused = None
+    vllm_xargs: Refused = None
+    repetition_detection: Refused = None
+    thinking_token_budget: Refused = None
+    stream_interval: Refused = None
 
 
 class StructuredOutputsRequest(_Request):
@@ -97,6 +177,9 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    # vLLM's: as chat's (json_object, json_schema or text).
+    response_format: ResponseFormat | None = None
+    prompt_embeds: Refused = None
 
 
 class FunctionDefinition(_Request):
@@ -142,6 +225,11 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's extra: a Jinja template for this request only (--trust-request-chat-template).
     chat_template: str | None = None
     response_format: ResponseFormat | None = None
+    return_prompt_text: Refused = None
+    include_reasoning: Refused = None
+    documents: Refused = None
+    media_io_kwargs: Refused = None
+    mm_processor_kwargs: Refused = None
 
 
 class TokenizeRequest(_Request):

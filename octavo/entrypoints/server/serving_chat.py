@@ -155,7 +155,11 @@ class OpenAIServingChat:
             rename["structured_outputs"] = "tools"  # a tool schema the grammar cannot take
         processor = context.async_engine.engine.input_processor
         processed, params = process_prompt(
-            context, lambda: render(processor), params, rename, limit
+            context,
+            lambda: render(processor, processor.prompt_limit(params)),
+            params,
+            rename,
+            limit,
         )
         request_id = new_request_id("chatcmpl")
         engine_request = EngineRequest(

@@ -107,7 +107,9 @@ class OpenAIServingCompletion:
         for index, prompt in enumerate(prompts):
             processed, prompt_params = process_prompt(
                 context,
-                lambda p=prompt: processor.process_prompt(p, request.add_special_tokens),
+                lambda p=prompt: processor.process_prompt(
+                    p, request.add_special_tokens, processor.prompt_limit(params)
+                ),
                 params,
                 {},
                 limit,
