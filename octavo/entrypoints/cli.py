@@ -259,8 +259,8 @@ def add_serving_args(group: argparse._ArgumentGroup) -> None:
         help="how the model's thinking is told from its answer on /v1/chat/completions "
         "(message.reasoning, its own stream deltas; tool calls are read after it), vLLM's "
         "names: deepseek_r1 (the output starts inside the thinking, up to </think>), qwen3 "
-        "(<think>...</think>; off for a request with chat_template_kwargs enable_thinking "
-        "false)",
+        "(the same, and a <tool_call> ends it too; off for a request with "
+        "chat_template_kwargs enable_thinking false)",
     )
     group.add_argument(
         "--exclude-tools-when-tool-choice-none",

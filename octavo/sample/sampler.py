@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from octavo.sample.metadata import SamplingMetadata
-from octavo.sample.ops.allowed import apply_allowed_token_ids, apply_banned_token_ids
+from octavo.sample.ops.allowed import apply_allowed_token_ids
 from octavo.sample.ops.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from octavo.sample.ops.penalties import (
+    apply_banned_token_ids,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,

@@ -6,9 +6,11 @@ as stream deltas) and the names `--reasoning-parser` takes:
 - `deepseek_r1`: the output starts inside the thinking (DeepSeek-R1's template opens
   `<think>` in the prompt); everything before `</think>` is thinking, a `<think>` the model
   writes itself before it is dropped; an output that never closes is all thinking;
-- `qwen3`: only text between `<think>` and `</think>` is thinking (an output that opens but
-  never closes is thinking to its end); `chat_template_kwargs.enable_thinking: false` turns
-  the parser off for that request, so all of the output is answer.
+- `qwen3`: as vLLM 0.32's, the output starts inside the thinking too (newer Qwen3 templates
+  open `<think>` in the prompt; a `<think>` the model writes is dropped), and the thinking
+  also ends where a `<tool_call>` starts (the call is answer, for the tool parser);
+  `chat_template_kwargs.enable_thinking: false` turns the parser off for that request, so all
+  of the output is answer.
 
 The chat handler sends the thinking as `reasoning` and hands only the answer to the tool
 parser, so calls are read after the thinking ends (vLLM's order).
@@ -53,6 +55,8 @@ class ReasoningParser:
 
     # Whether the output starts inside the thinking (the template opened `<think>`).
     starts_in_thinking = False
+    # Text that ends the thinking without `</think>` and itself belongs to the answer.
+    implicit_ends: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.phase = _Phase.THINKING if self.starts_in_thinking else _Phase.BEFORE
@@ -83,6 +87,10 @@ class ReasoningParser:
                 break
             index, marker = min(found)
             self._emit(result, self.held[:index])
+            if marker in self.implicit_ends:  # the answer starts with it
+                self.held = self.held[index:]
+                self.phase = _Phase.ANSWER
+                continue
             self.held = self.held[index + len(marker) :]
             self.opened = True
             self.phase = _Phase.THINKING if marker == THINK_START else _Phase.ANSWER
@@ -98,7 +106,8 @@ class ReasoningParser:
     def _markers(self) -> tuple[str, ...]:
         if self.phase is _Phase.BEFORE:
             return (THINK_START,)
-        return (THINK_END,) if self.opened else (THINK_END, THINK_START)
+        ends = (THINK_END, *self.implicit_ends)
+        return ends if self.opened else (*ends, THINK_START)
 
     def _emit(self, result: ReasoningDelta, text: str) -> None:
         if self.phase is _Phase.THINKING:
@@ -112,7 +121,8 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    starts_in_thinking = False
+    starts_in_thinking = True
+    implicit_ends = ("<tool_call>",)
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

@@ -8,13 +8,10 @@
 Everything here takes plain tensors and dicts keyed by row; nothing knows about requests.
 """
 
-from octavo.sample.ops.allowed import (
-    apply_allowed_token_ids,
-    apply_banned_token_ids,
-    banned_by_bad_words,
-)
+from octavo.sample.ops.allowed import apply_allowed_token_ids, banned_by_bad_words
 from octavo.sample.ops.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from octavo.sample.ops.penalties import (
+    apply_banned_token_ids,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,

@@ -1,6 +1,7 @@
 """Token masks a request sets on itself: vLLM's allowed_token_ids and bad_words.
 
-Owns which tokens these rules forbid at one step and the -inf fill. Both run before the logit
+Owns which tokens these rules forbid at one step (bad words' ids are filled with -inf by
+penalties.apply_banned_token_ids, the fill min_tokens uses too). Both run before the logit
 bias and the penalties, so no later step can bring a forbidden token back. Must not know about
 requests: a row index is the only link to one, and a row's output tokens so far arrive with it.
 """
@@ -53,22 +54,3 @@ def apply_allowed_token_ids(logits: Tensor, allowed_token_ids: dict[int, Sequenc
         ] = False
     row_index = to_device_tensor(rows, torch.int64, logits.device)
     logits[row_index] = logits[row_index].masked_fill(forbidden, float("-inf"))
-
-
-def apply_banned_token_ids(logits: Tensor, banned: dict[int, set[int] | frozenset[int]]) -> None:
-    """Each row's banned ids get -inf (ids beyond the vocabulary are skipped)."""
-    vocab_size = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    for row, token_ids in banned.items():
-        for token_id in token_ids:
-            if token_id < vocab_size:
-                rows.append(row)
-                cols.append(token_id)
-    if not cols:
-        return
-    index = (
-        to_device_tensor(rows, torch.int64, logits.device),
-        to_device_tensor(cols, torch.int64, logits.device),
-    )
-    logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

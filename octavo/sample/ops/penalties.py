@@ -80,18 +80,19 @@ def apply_logit_bias(logits: Tensor, logit_bias: dict[int, dict[int, float]]) ->
 
 
 def apply_min_tokens(logits: Tensor, min_tokens_stop_ids: dict[int, set[int]]) -> None:
-    """Forbid the stop ids of rows still below min_tokens by setting their logits to -inf.
+    """Forbid the stop ids of rows still below min_tokens by setting their logits to -inf
+    (ids outside the vocabulary are skipped: the model can never produce them anyway; a user
+    may name such an id in stop_token_ids)."""
+    apply_banned_token_ids(logits, min_tokens_stop_ids)
 
-    Ids outside the vocabulary are skipped: the model can never produce them anyway (a user may
-    name such an id in stop_token_ids).
-    """
-    if not min_tokens_stop_ids:
-        return
+
+def apply_banned_token_ids(logits: Tensor, banned: dict[int, set[int] | frozenset[int]]) -> None:
+    """Each row's banned ids get -inf (ids beyond the vocabulary are skipped)."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
-    for row, stop_ids in min_tokens_stop_ids.items():
-        for token_id in stop_ids:
+    for row, token_ids in banned.items():
+        for token_id in token_ids:
             if token_id < vocab_size:
                 rows.append(row)
                 cols.append(token_id)
