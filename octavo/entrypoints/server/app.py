@@ -371,7 +371,9 @@ def build_app(
             raise OpenAIError(503, f"The engine is not running: {async_engine.dead_reason}")
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # Two routes, so that each method has its own OpenAPI operation id.
+    @app.get("/ping")
+    @app.post("/ping")
     async def ping() -> Response:
         """SageMaker's health check."""
         return await health()
