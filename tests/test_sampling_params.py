@@ -61,6 +61,7 @@ def test_min_tokens_above_max_tokens() -> None:
 
 
 def test_clone_is_independent() -> None:
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     p = SamplingParams(stop=["a"], stop_token_ids=[3], seed=1)
     q = p.clone()
     q.stop.append("b")

@@ -188,6 +188,8 @@ class SamplingParams:
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's spelling of "no seed"
+            self.seed = None
         self._verify()
         # An int that crossed a process boundary becomes the enum again.
         self.output_kind = RequestOutputKind(self.output_kind)
