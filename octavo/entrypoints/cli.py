@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from octavo.config import EngineArgs, json_object_flag
 
@@ -334,17 +335,24 @@ def batch_config_from(ns: argparse.Namespace):
     from octavo.entrypoints.server.app import ServerConfig
 
     return ServerConfig(
-        response_role=ns.response_role,
-        enable_force_include_usage=ns.enable_force_include_usage,
-        default_chat_template_kwargs=ns.default_chat_template_kwargs,
-        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-        trust_request_chat_template=ns.trust_request_chat_template,
-        tool_call_parser=ns.tool_call_parser,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
-        max_sequences_per_request=ns.max_sequences_per_request,
-        engine_in_process=ns.engine_in_process,
+        **serving_settings(ns), max_sequences_per_request=ns.max_sequences_per_request
     )
+
+
+def serving_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields of add_serving_args' flags (serve and run-batch alike)."""
+    return {
+        "response_role": ns.response_role,
+        "enable_force_include_usage": ns.enable_force_include_usage,
+        "default_chat_template_kwargs": ns.default_chat_template_kwargs,
+        "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
+        "trust_request_chat_template": ns.trust_request_chat_template,
+        "engine_in_process": ns.engine_in_process,
+        "tool_call_parser": ns.tool_call_parser,
+        "enable_auto_tool_choice": ns.enable_auto_tool_choice,
+        "reasoning_parser": ns.reasoning_parser,
+        "exclude_tools_when_tool_choice_none": ns.exclude_tools_when_tool_choice_none,
+    }
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -412,17 +420,8 @@ def server_config_from(ns: argparse.Namespace):
         ssl_ciphers=ns.ssl_ciphers,
         enable_ssl_refresh=ns.enable_ssl_refresh,
         disable_fastapi_docs=ns.disable_fastapi_docs,
-        response_role=ns.response_role,
-        enable_force_include_usage=ns.enable_force_include_usage,
-        default_chat_template_kwargs=ns.default_chat_template_kwargs,
-        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-        trust_request_chat_template=ns.trust_request_chat_template,
         enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
         enable_request_id_headers=ns.enable_request_id_headers,
-        tool_call_parser=ns.tool_call_parser,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
-        reasoning_parser=ns.reasoning_parser,
         max_request_body_bytes=ns.max_request_body_bytes,
         max_sequences_per_request=ns.max_sequences_per_request,
         header_read_timeout_s=ns.header_read_timeout,
@@ -431,7 +430,7 @@ def server_config_from(ns: argparse.Namespace):
         limit_concurrency=ns.limit_concurrency,
         shutdown_timeout_s=ns.shutdown_timeout,
         enable_dev_endpoints=ns.enable_dev_endpoints or dev_mode_from_environment(),
-        engine_in_process=ns.engine_in_process,
+        **serving_settings(ns),
     )
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from octavo.engine.async_engine import AsyncEngine
-from octavo.entrypoints.cli import main
+from octavo.entrypoints.cli import batch_config_from, main, make_parser, server_config_from
 from octavo.entrypoints.run_batch import run_and_shut_down
 from octavo.entrypoints.server.app import ServerConfig
 
@@ -121,6 +121,17 @@ def test_response_flags_apply() -> None:
     config = ServerConfig(response_role="bot")
     (result,) = run_mock_batch([line("a", "/v1/chat/completions", CHAT)], config)
     assert result["response"]["body"]["choices"][0]["message"]["role"] == "bot"
+
+
+def test_run_batch_takes_the_servers_response_flags() -> None:
+    """The flags that shape responses reach run-batch's ServerConfig as they reach serve's."""
+    argv = ["--response-role", "bot", "--reasoning-parser", "qwen3", "--tool-call-parser"]
+    argv += ["hermes", "--enable-auto-tool-choice", "--return-tokens-as-token-ids"]
+    batch = batch_config_from(make_parser().parse_args(["run-batch", "-i", "a", "-o", "b", *argv]))
+    serve = server_config_from(make_parser().parse_args(["serve", *argv]))
+    for name in ("response_role", "reasoning_parser", "tool_call_parser"):
+        assert getattr(batch, name) == getattr(serve, name) != getattr(ServerConfig(), name)
+    assert batch.enable_auto_tool_choice and batch.return_tokens_as_token_ids
 
 
 def test_urls_are_refused_with_a_clear_message(tmp_path, capsys) -> None:
