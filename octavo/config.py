@@ -1173,7 +1173,7 @@ def _scalar_type(hint: Any) -> type:
 
 
 def _reasoning_parsers() -> dict[str, Any]:
-    from octavo.structured_output.reasoning import REASONING_MARKERS
+    from octavo.core.reasoning import REASONING_MARKERS
 
     return REASONING_MARKERS
 

@@ -2,9 +2,8 @@
 constraint (response_format, structured_outputs, a forced tool call) holds over the answer
 only, as vLLM applies it.
 
-Owns `REASONING_MARKERS` (the thinking's start and end text of each parser name the server
-knows: entrypoints/server/reasoning_parsers.py reads it too), `ReasoningGate` (those markers as
-token ids of one tokenizer, and vLLM's rule for whether a prompt leaves the model thinking) and
+Owns `ReasoningGate` (the parser's markers, core/reasoning.py, as token ids of one tokenizer,
+and vLLM's rule for whether a prompt leaves the model thinking) and
 `ThinkingGatedGrammar` (a request's grammar that lets every token through until the model
 writes the end marker, then constrains the rest).
 
@@ -20,16 +19,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from octavo.core.reasoning import REASONING_MARKERS
 from octavo.structured_output.grammar import GuidanceGrammar
-
-THINK_START = "<think>"
-THINK_END = "</think>"
-
-# --reasoning-parser name -> (the text that opens the thinking, the text that ends it).
-REASONING_MARKERS: dict[str, tuple[str, str]] = {
-    "deepseek_r1": (THINK_START, THINK_END),
-    "qwen3": (THINK_START, THINK_END),
-}
 
 
 @dataclass(frozen=True, slots=True)

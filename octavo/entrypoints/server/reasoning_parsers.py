@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.structured_output.reasoning import REASONING_MARKERS, THINK_END, THINK_START
+from octavo.core.reasoning import REASONING_MARKERS, THINK_END, THINK_START
 
 
 @dataclass(slots=True)
