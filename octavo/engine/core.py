@@ -207,6 +207,11 @@ class EngineCore:
         with its end (when the outputs are ready for callers)."""
         now = time.monotonic()
         tracker = self.stats_tracker
+        # A request running one token is decoding; any other runs a prompt chunk.
+        tracker.record_step(
+            now - step_start_time,
+            sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1),
+        )
         tracker.record_scheduled(
             (new_req.request_id for new_req in scheduler_output.scheduled_new_reqs),
             step_start_time,
