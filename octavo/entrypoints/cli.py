@@ -1,5 +1,5 @@
-"""`octavo serve|run-batch|generate|chat|bench|plan`: parse flags -> EngineArgs -> run. Flag
-names follow vLLM."""
+"""`octavo serve|run-batch|generate|chat|bench|plan|top|config|replay`: parse flags ->
+EngineArgs -> run (or, for the operator's tools, read a server). Flag names follow vLLM."""
 
 from __future__ import annotations
 
@@ -548,6 +548,13 @@ def make_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
     add_plan_args(plan)
 
+    from octavo.entrypoints.top import add_top_args
+
+    top = commands.add_parser(
+        "top", help="live view of a server's KV cache and requests (GET /v1/kv and /metrics)"
+    )
+    add_top_args(top)
+
     # Listed for --help only: main() hands everything after `convert` to the converter, which
     # parses its own flags (python -m octavo.model.convert --help).
     commands.add_parser(
@@ -695,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.plan import run_plan
 
             return run_plan(ns)
+        if ns.command == "top":
+            from octavo.entrypoints.top import run_top
+
+            return run_top(ns)
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

@@ -12,10 +12,9 @@ import time
 import httpx
 
 from octavo import SamplingParams
-from octavo.core.mock_runner import MockRunner
 
 from ..mock_engine import mock_llm
-from .mock_server import mock_server
+from .mock_server import GatedMockRunner, mock_server
 
 COMPLETIONS = "/v1/completions"
 
@@ -72,17 +71,6 @@ def test_the_offline_llm_takes_every_prompt_whatever_the_bounds() -> None:
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3, 3]
 
 
-class _GatedRunner(MockRunner):
-    """The mock model, whose steps wait for the test to open `gate`: the prompts submitted
-    meanwhile all stay ahead of the next one."""
-
-    gate = threading.Event()
-
-    def execute(self, out):
-        assert self.gate.wait(30), "the test never opened the gate"
-        return super().execute(out)
-
-
 def test_max_queue_wait_sheds_exactly_the_requests_predicted_over_it() -> None:
     """Fixed rates (0.1 s a step, 0.01 s a prompt token, 64 tokens a step) and a held engine:
     each request's predicted TTFT is ceil(T / 64) * 0.1 + T * 0.01 for the T prompt tokens
@@ -91,8 +79,8 @@ def test_max_queue_wait_sheds_exactly_the_requests_predicted_over_it() -> None:
     (0.92 s), a 40-word one does not (1.32 s: Retry-After 2). Once the engine runs, every
     admitted request ends with all of its tokens."""
     llm = mock_llm(max_model_len=128, max_queue_wait_s=0.95)
-    llm.llm_engine.model_runner.__class__ = _GatedRunner
-    _GatedRunner.gate = threading.Event()
+    llm.llm_engine.model_runner.__class__ = GatedMockRunner
+    GatedMockRunner.gate = threading.Event()
     prompts = [" ".join(["the"] * 10)] * 8 + ["the cat", " ".join(["the"] * 40)]
     # What each prompt gets from the same engine with no bound (the offline LLM).
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
@@ -122,7 +110,7 @@ def test_max_queue_wait_sheds_exactly_the_requests_predicted_over_it() -> None:
             error = responses[index].json()["error"]
             assert error["type"] == "server_error" and "--max-queue-wait" in error["message"]
         assert limits.num_prefill_tokens == 7 * 10 + 2
-        _GatedRunner.gate.set()
+        GatedMockRunner.gate.set()
         for thread in threads:
             thread.join(30)
         for index in sorted(set(range(len(prompts))) - set(shed)):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
 Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`; `/tokenizer_info` when enabled;
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, the operator's `/v1/kv` and
+`/v1/config` (ops_routes.py); `/tokenizer_info` when enabled;
 with dev endpoints enabled, `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a
 profiler configured, `/start_profile`, `/stop_profile`), the API-key check (every path but
 `/health`), opt-in CORS, the connection limits (header and body read timeouts, keep-alive, a
@@ -49,6 +50,7 @@ from octavo.entrypoints.server.errors import (
     from_value_error,
     install_error_handlers,
 )
+from octavo.entrypoints.server.ops_routes import add_ops_routes
 from octavo.entrypoints.server.protocol import (
     DetokenizeRequest,
     ModelCard,
@@ -409,6 +411,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=stat_logger.content_type)
+
+    add_ops_routes(app, async_engine)
 
     if config.enable_dev_endpoints:
 
