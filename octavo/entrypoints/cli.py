@@ -555,6 +555,17 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_top_args(top)
 
+    from octavo.entrypoints.config_diff import add_config_diff_args
+
+    config_command = commands.add_parser("config", help="resolved configurations")
+    config_commands = config_command.add_subparsers(dest="config_command", required=True)
+    config_diff = config_commands.add_parser(
+        "diff",
+        help="the settings that differ between two resolved configurations (URLs, JSON or "
+        "log files); exit 1 when any does",
+    )
+    add_config_diff_args(config_diff)
+
     # Listed for --help only: main() hands everything after `convert` to the converter, which
     # parses its own flags (python -m octavo.model.convert --help).
     commands.add_parser(
@@ -702,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.plan import run_plan
 
             return run_plan(ns)
+        if ns.command == "config" and ns.config_command == "diff":
+            from octavo.entrypoints.config_diff import run_config_diff
+
+            return run_config_diff(ns)
         if ns.command == "top":
             from octavo.entrypoints.top import run_top
 
