@@ -566,6 +566,15 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_config_diff_args(config_diff)
 
+    from octavo.entrypoints.replay import add_replay_args
+
+    replay = commands.add_parser(
+        "replay",
+        help="the upgrade gate: record requests and their greedy responses from one server, "
+        "check another against them",
+    )
+    add_replay_args(replay)
+
     # Listed for --help only: main() hands everything after `convert` to the converter, which
     # parses its own flags (python -m octavo.model.convert --help).
     commands.add_parser(
@@ -717,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.entrypoints.config_diff import run_config_diff
 
             return run_config_diff(ns)
+        if ns.command == "replay":
+            from octavo.entrypoints.replay import run_replay
+
+            return run_replay(ns)
         if ns.command == "top":
             from octavo.entrypoints.top import run_top
 
