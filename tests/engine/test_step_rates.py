@@ -92,3 +92,11 @@ def test_max_queue_wait_must_be_positive() -> None:
         EngineArgs(max_queue_wait=0)
     with pytest.raises(ValueError, match="max_queue_wait_s must be > 0"):
         SchedulerConfig(8, 64, 64, max_queue_wait_s=-1.0)
+
+
+def test_the_flag_reaches_the_scheduler_config() -> None:
+    from octavo.entrypoints.cli import engine_args_from, make_parser, subparser
+
+    ns = subparser(make_parser(), "serve").parse_args(["--max-queue-wait", "2.5"])
+    assert engine_args_from(ns).max_queue_wait == 2.5
+    assert subparser(make_parser(), "serve").parse_args([]).max_queue_wait is None
