@@ -358,14 +358,32 @@ def check_report(
     lines = [f"{len(outcomes)} requests"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for difference in differences[: ns.show]:
-        lines.append(
-            f"request {difference.request_id}: {difference.check} "
-            f"{_short(difference.golden)} -> {_short(difference.new)}"
-        )
+        if difference.check == "output":
+            shown = divergence(difference.golden, difference.new)
+        else:
+            shown = f"{_short(difference.golden)} -> {_short(difference.new)}"
+        lines.append(f"request {difference.request_id}: {difference.check} {shown}")
     if len(differences) > ns.show:
         lines.append(f"... {len(differences) - ns.show} more differences")
     lines.append("FAIL" if failed else "PASS")
     return "\n".join(lines), failed
+
+
+def divergence(golden: list[Any], new: list[Any]) -> str:
+    """Where two outputs (per choice: a token list or a text) first part: the choice, the
+    position (token index, or character for texts) and what each side has from there."""
+    for index, (a, b) in enumerate(zip(golden, new)):
+        if a == b:
+            continue
+        unit = "char" if isinstance(a, str) else "token"
+        a = a or ([] if unit == "token" else "")
+        b = b or ([] if unit == "token" else "")
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return (
+            f"choice {index} from {unit} {at} (of {len(a)} -> {len(b)}): "
+            f"{_short(a[at : at + 6], 40)} -> {_short(b[at : at + 6], 40)}"
+        )
+    return f"{len(golden)} choices -> {len(new)}"
 
 
 def _short(value: Any, width: int = 80) -> str:

@@ -136,3 +136,18 @@ def test_a_bad_requests_file_is_named(tmp_path, capsys) -> None:
     argv = ["replay", "record", "--requests", str(path), "--url", "http://127.0.0.1:9", "-o", "g"]
     assert main(argv) == 2
     assert "bad.jsonl:1: a body needs `messages` or `prompt`" in capsys.readouterr().err
+
+
+def test_an_output_difference_is_shown_where_it_starts() -> None:
+    from octavo.entrypoints.replay import divergence
+
+    golden = [["a", "b", "c", "d"]]
+    assert divergence(golden, [["a", "b", "x"]]) == (
+        'choice 0 from token 2 (of 4 -> 3): ["c", "d"] -> ["x"]'
+    )
+    assert divergence(golden, [["a", "b", "c", "d", "e"]]) == (
+        'choice 0 from token 4 (of 4 -> 5): [] -> ["e"]'
+    )
+    assert divergence(["same", "text"], ["same", "tent"]) == (
+        'choice 1 from char 2 (of 4 -> 4): "xt" -> "nt"'
+    )

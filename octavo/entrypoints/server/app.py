@@ -70,8 +70,9 @@ logger = logging.getLogger(__name__)
 
 # Paths a client may call without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping"})
-# Paths the HTTP metrics leave out (as vLLM's): scrapes and health checks.
-UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version")
+# Paths the HTTP metrics leave out (as vLLM's): scrapes and health checks, and /v1/kv, which
+# `octavo top` reads every second.
+UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version", "/v1/kv")
 
 
 @dataclass(frozen=True)
