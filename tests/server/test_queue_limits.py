@@ -66,7 +66,7 @@ def test_a_request_beyond_max_num_queued_reqs_gets_503_while_the_others_complete
 
 def test_the_offline_llm_takes_every_prompt_whatever_the_bounds() -> None:
     """vLLM checks the bounds in its serving frontend only; LLM.generate submits all at once."""
-    llm = mock_llm(max_num_queued_reqs=1, max_num_queued_tokens=1)
+    llm = mock_llm(max_num_queued_reqs=1, max_num_queued_tokens=1, max_queue_wait_s=1e-9)
     outputs = llm.generate(["the cat"] * 4, SamplingParams(max_tokens=3, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3, 3]
 
