@@ -164,12 +164,16 @@ class SchedulerConfig:
     # flight, and prompt tokens not yet prefilled; None: no bound.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # octavo's wait bound (--max-queue-wait): the longest predicted time to first token a
+    # request is admitted with (engine/step_rates.py predicts it); None: no bound.
+    max_queue_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
+        _check_queue_wait("max_queue_wait_s", self.max_queue_wait_s)
         _check_scheduling(
             self.admission,
             self.watermark,
@@ -553,6 +557,14 @@ class EngineArgs:
         metavar="N",
         parse=human_readable_int,
     )
+    max_queue_wait: float | None = setting(
+        None,
+        "octavo serve: answer 503 at once, with Retry-After, to a request whose predicted time "
+        "to first token (the prompt tokens ahead of it, the running requests and the engine's "
+        "measured step rates) is over SECONDS; nothing is shed before the rates are measured "
+        "(default: no bound)",
+        metavar="SECONDS",
+    )
     request_log: str | None = setting(
         None,
         "append one JSON line per finished request (lengths, finish reason, TTFT, largest "
@@ -740,6 +752,7 @@ class EngineArgs:
         if self.packed_max_rows is not None and self.packed_max_rows < 0:
             raise ValueError(f"packed_max_rows must be >= 0, got {self.packed_max_rows}.")
         _check_queue_bounds(self.max_num_queued_reqs, self.max_num_queued_tokens)
+        _check_queue_wait("max_queue_wait", self.max_queue_wait)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got "
@@ -900,6 +913,7 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
+                max_queue_wait_s=self.max_queue_wait,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,
@@ -1195,6 +1209,11 @@ def _check_queue_bounds(*bounds: int | None) -> None:
     for name, bound in zip(("max_num_queued_reqs", "max_num_queued_tokens"), bounds, strict=True):
         if bound is not None and bound < 1:
             raise ValueError(f"{name} must be >= 1 (or unset: no bound), got {bound}.")
+
+
+def _check_queue_wait(name: str, seconds: float | None) -> None:
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds (or unset: no bound), got {seconds}.")
 
 
 def _check_scheduling(

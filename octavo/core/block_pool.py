@@ -117,6 +117,8 @@ class BlockPool:
         self._residency_credit = 0.0
         self._sampled_block_ids: set[int] = set()
         self._residency_events: list[tuple[KVBlockEvent, int]] = []
+        # Cumulative: free blocks that still held a cached prefix when taken for new data.
+        self.num_evicted_cached_blocks = 0
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -138,6 +140,8 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if block.block_hash is not None:
+                self.num_evicted_cached_blocks += 1
             self._drop_hash(block)
             block.ref_cnt = 1
             if self.residency_sample:
@@ -216,6 +220,10 @@ class BlockPool:
             block.token_ids = None
         self.cached_block_map.clear()
         return True
+
+    def get_num_cached_blocks(self) -> int:
+        """Blocks holding a cached prefix (held by requests or free, reusable until taken)."""
+        return len(self.cached_block_map)
 
     def take_residency_events(self) -> list[tuple[KVBlockEvent, int]]:
         """The (event, block id) of sampled blocks since the last call, in order; empty

@@ -147,6 +147,16 @@ class KVCacheManager:
             if block is not NULL_BLOCK
         )
 
+    def num_shared_blocks(self, request_id: str) -> int:
+        """Of the request's blocks, those other requests hold too (prefix-cache hits, theirs
+        on its blocks or its on theirs)."""
+        return sum(
+            1
+            for group in self.groups
+            for block in group.req_to_blocks.get(request_id, ())
+            if block is not NULL_BLOCK and block.ref_cnt > 1
+        )
+
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Group 0's blocks of the longest prefix-cache hit every group can take, and the
         number of tokens it covers (the other groups' blocks are kept for the allocate_slots

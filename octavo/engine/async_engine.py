@@ -37,6 +37,7 @@ from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import RequestOutput
 from octavo.engine.queue_limits import QueueLimits
+from octavo.engine.step_rates import StepRates, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +121,24 @@ class AsyncEngine:
         # Engine-thread state: request id -> the stream its outputs go to.
         self._streams: dict[str, _OutputStream] = {}
         self._num_steps = 0
-        # Event-loop state: --max-num-queued-reqs / --max-num-queued-tokens and their tallies.
+        # The engine's measured step rates (recorded with each step's stats), for the
+        # predicted wait of --max-queue-wait and for /v1/kv.
         scheduler = engine.config.scheduler
+        self.step_rates = StepRates(
+            StepShape(
+                scheduler.max_num_batched_tokens,
+                scheduler.long_prefill_token_threshold,
+                engine.num_replicas,
+            )
+        )
+        engine.add_stat_logger(self.step_rates)
+        # Event-loop state: --max-num-queued-reqs / --max-num-queued-tokens and their tallies,
+        # --max-queue-wait.
         self.queue_limits = QueueLimits(
-            scheduler.max_num_queued_reqs, scheduler.max_num_queued_tokens
+            scheduler.max_num_queued_reqs,
+            scheduler.max_num_queued_tokens,
+            max_queue_wait_s=scheduler.max_queue_wait_s,
+            step_rates=self.step_rates,
         )
 
     @classmethod
@@ -252,7 +267,10 @@ class AsyncEngine:
         """Raise QueueOverflowError if `generate(requests)` would be rejected now by the queue
         bounds (a server checks before it starts a stream, so that the rejection is an HTTP
         status, not an error event; generate checks again, and that one holds)."""
-        self.queue_limits.check(sum(r.sampling_params.n for r in requests))
+        self.queue_limits.check(
+            sum(r.sampling_params.n for r in requests),
+            sum(len(r.prompt.prompt_token_ids) for r in requests),
+        )
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Thread-safe; takes effect at the top of the next engine iteration."""

@@ -22,10 +22,12 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from octavo.config import EngineConfig
+from octavo.core.kv_view import kv_snapshot
 from octavo.core.outputs import EngineCoreOutput
 from octavo.core.request import FinishReason, Request, ResolvedParams
 from octavo.core.sampling_params import SamplingParams
@@ -212,6 +214,11 @@ class EngineCore:
         with its end (when the outputs are ready for callers)."""
         now = time.monotonic()
         tracker = self.stats_tracker
+        # A request running one token is decoding; any other runs a prompt chunk.
+        tracker.record_step(
+            now - step_start_time,
+            sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1),
+        )
         tracker.record_scheduled(
             (new_req.request_id for new_req in scheduler_output.scheduled_new_reqs),
             step_start_time,
@@ -305,6 +312,10 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's snapshot, with the engine's sleep level."""
         return dataclasses.replace(self.scheduler.make_stats(), sleep_level=self._sleep_level)
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """What the KV cache holds and who holds it (core/kv_view.py), with the sleep level."""
+        return {**kv_snapshot(self.scheduler), "sleep_level": self._sleep_level}
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the scheduler's queues or the block pool disagree."""

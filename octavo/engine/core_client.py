@@ -336,6 +336,13 @@ class MPEngine:
     def make_stats_per_replica(self) -> list[SchedulerStats]:
         return [serial.decode_scheduler_stats(s) for s in self.call_all("make_stats")]
 
+    def kv_snapshots(self) -> list[dict[str, Any]]:
+        """Each live replica's KV snapshot (EngineCore.kv_snapshot) with its index
+        ("engine"), in replica order."""
+        replicas = self.live_replicas()
+        snapshots = self.call_all("kv_snapshot")
+        return [{**s, "engine": r} for r, s in zip(replicas, snapshots, strict=True)]
+
     def check_integrity(self) -> None:
         self.call_all("check_integrity")
 

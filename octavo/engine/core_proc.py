@@ -51,6 +51,7 @@ UTILITY_METHODS = frozenset(
     {
         "reset_prefix_cache",
         "make_stats",
+        "kv_snapshot",
         "check_integrity",
         "has_unfinished_requests",
         "sleep",

@@ -23,6 +23,7 @@ import gc
 import itertools
 import logging
 import time
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -204,6 +205,10 @@ class LLMEngine:
 
     def make_stats(self) -> SchedulerStats:
         return self.core.make_stats()
+
+    def kv_snapshots(self) -> list[dict[str, Any]]:
+        """Each engine core's KV snapshot (EngineCore.kv_snapshot): this one's."""
+        return [self.core.kv_snapshot()]
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -9,6 +9,11 @@ engine, so a load balancer can send it elsewhere. vLLM's rules: the request boun
 tally with the new request in it; the token bound rejects once the tally has reached it (a
 prompt larger than the bound is taken when nothing else is being prefilled).
 
+octavo's wait bound, --max-queue-wait SECONDS: a request whose predicted time to first token
+(StepRates.predict_ttft_s: the prompt tokens ahead of it, the running requests and the
+engine's measured step rates) is over the bound is rejected too, told to retry after the
+predicted wait. Before the rates are measured (cold start) it sheds nothing.
+
 Lives on the event loop (AsyncEngine.generate) and needs no lock. Must not: look into the
 scheduler (the counts are what the frontend has seen, as vLLM's are), or run for the offline
 LLM, which submits every prompt at once (vLLM's LLM does not check them either).
@@ -16,17 +21,22 @@ LLM, which submits every prompt at once (vLLM's LLM does not check them either).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from octavo.engine.step_rates import StepRates
 
 
 class QueueOverflowError(RuntimeError):
     """A request was rejected because the frontend's queue bounds are reached; `reason` is the
-    bound (metrics.stats.ADMISSION_REASONS)."""
+    bound (metrics.stats.ADMISSION_REASONS); `retry_after_s`, when known, how long the client
+    should wait before it retries (whole seconds, Retry-After's unit)."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -39,9 +49,14 @@ class QueueLimits:
     num_prefill_tokens: int = 0
     # Told of each rejection's reason (the server's vllm:admission_rejections counter).
     on_reject: Callable[[str], None] | None = None
+    # --max-queue-wait: the longest predicted time to first token admitted (None: no bound),
+    # predicted from `step_rates` (None: nothing is predicted).
+    max_queue_wait_s: float | None = None
+    step_rates: StepRates | None = None
 
-    def check(self, num_reqs: int) -> None:
-        """Raise QueueOverflowError if `num_reqs` more requests may not be admitted now."""
+    def check(self, num_reqs: int, num_prompt_tokens: int = 0) -> None:
+        """Raise QueueOverflowError if `num_reqs` more requests, with `num_prompt_tokens`
+        prompt tokens in all, may not be admitted now."""
         limit = self.max_num_queued_reqs
         if limit is not None and self.num_reqs + num_reqs > limit:
             self._reject(
@@ -57,15 +72,40 @@ class QueueLimits:
                 f"(--max-num-queued-tokens); {self.num_prefill_tokens} are. Retry later.",
                 "max_num_queued_tokens",
             )
+        self._check_wait(num_prompt_tokens)
 
-    def _reject(self, message: str, reason: str) -> None:
+    def predict_ttft_s(self, num_prompt_tokens: int) -> float | None:
+        """The predicted time to first token of a request of `num_prompt_tokens` submitted
+        now; None before the step rates are measured."""
+        if self.step_rates is None:
+            return None
+        return self.step_rates.predict_ttft_s(self.num_prefill_tokens, num_prompt_tokens)
+
+    def _check_wait(self, num_prompt_tokens: int) -> None:
+        limit = self.max_queue_wait_s
+        if limit is None:
+            return
+        wait_s = self.predict_ttft_s(num_prompt_tokens)
+        if wait_s is None or wait_s <= limit:
+            return
+        retry_after_s = max(math.ceil(wait_s), 1)
+        self._reject(
+            f"The predicted time to first token of this request is {wait_s:.2f} s "
+            f"({self.num_prefill_tokens} prompt tokens ahead of its {num_prompt_tokens}), over "
+            f"the server's limit of {limit:g} s (--max-queue-wait). Retry in "
+            f"{retry_after_s} s.",
+            "max_queue_wait",
+            retry_after_s,
+        )
+
+    def _reject(self, message: str, reason: str, retry_after_s: int | None = None) -> None:
         if self.on_reject is not None:
             self.on_reject(reason)
-        raise QueueOverflowError(message, reason)
+        raise QueueOverflowError(message, reason, retry_after_s)
 
     def admit(self, num_reqs: int, num_prompt_tokens: int) -> None:
         """check, then count the request in."""
-        self.check(num_reqs)
+        self.check(num_reqs, num_prompt_tokens)
         self.num_reqs += num_reqs
         self.num_prefill_tokens += num_prompt_tokens
 

@@ -1,5 +1,5 @@
-"""`octavo serve|run-batch|generate|chat|bench|plan`: parse flags -> EngineArgs -> run. Flag
-names follow vLLM."""
+"""`octavo serve|run-batch|generate|chat|bench|plan|top|config|replay`: parse flags ->
+EngineArgs -> run (or, for the operator's tools, read a server). Flag names follow vLLM."""
 
 from __future__ import annotations
 
@@ -538,6 +538,33 @@ def make_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="max_tokens and concurrency from a request log")
     add_plan_args(plan)
 
+    from octavo.entrypoints.top import add_top_args
+
+    top = commands.add_parser(
+        "top", help="live view of a server's KV cache and requests (GET /v1/kv and /metrics)"
+    )
+    add_top_args(top)
+
+    from octavo.entrypoints.config_diff import add_config_diff_args
+
+    config_command = commands.add_parser("config", help="resolved configurations")
+    config_commands = config_command.add_subparsers(dest="config_command", required=True)
+    config_diff = config_commands.add_parser(
+        "diff",
+        help="the settings that differ between two resolved configurations (URLs, JSON or "
+        "log files); exit 1 when any does",
+    )
+    add_config_diff_args(config_diff)
+
+    from octavo.entrypoints.replay import add_replay_args
+
+    replay = commands.add_parser(
+        "replay",
+        help="the upgrade gate: record requests and their greedy responses from one server, "
+        "check another against them",
+    )
+    add_replay_args(replay)
+
     # Listed for --help only: main() hands everything after `convert` to the converter, which
     # parses its own flags (python -m octavo.model.convert --help).
     commands.add_parser(
@@ -685,6 +712,18 @@ def main(argv: list[str] | None = None) -> int:
             from octavo.bench.plan import run_plan
 
             return run_plan(ns)
+        if ns.command == "config" and ns.config_command == "diff":
+            from octavo.entrypoints.config_diff import run_config_diff
+
+            return run_config_diff(ns)
+        if ns.command == "replay":
+            from octavo.entrypoints.replay import run_replay
+
+            return run_replay(ns)
+        if ns.command == "top":
+            from octavo.entrypoints.top import run_top
+
+            return run_top(ns)
     except ValueError as exc:
         # Bad settings or input: one clear line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)

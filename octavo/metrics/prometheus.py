@@ -234,8 +234,8 @@ class PrometheusStatLogger:
         # The frontend's queue bounds (vLLM's, labelled by model and reason, not by engine).
         rejections = Counter(
             "vllm:admission_rejections",
-            "Requests rejected at submission by a queue bound (--max-num-queued-reqs or "
-            "--max-num-queued-tokens), by which.",
+            "Requests rejected at submission by a queue bound (--max-num-queued-reqs, "
+            "--max-num-queued-tokens, or octavo's --max-queue-wait), by which.",
             ["model_name", "reason"],
             registry=self.registry,
         )

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from octavo.core.request import FinishReason
 
 # Why the serving frontend rejected a request at submission: the queue bound it met (vLLM's
-# label values of vllm:admission_rejections; engine/queue_limits.py checks the bounds).
-ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+# label values of vllm:admission_rejections, and octavo's max_queue_wait: its predicted time
+# to first token was over --max-queue-wait; engine/queue_limits.py checks the bounds).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_queue_wait")
 
 
 class KVBlockEvent(enum.IntEnum):
@@ -114,8 +115,13 @@ class IterationStats:
     """What one engine step did, plus requests aborted since the step before: the deltas
     loggers add to counters and histograms."""
 
-    # Tokens the step ran (prompt chunks and decodes).
+    # Tokens the step ran (prompt chunks and decodes), and of them the prompt-chunk tokens
+    # (recomputations after an eviction included): every scheduled request but those running
+    # one token. Together with the step's time (schedule to outputs; 0 for a snapshot that is
+    # no step) they give the engine's measured step rates (engine/step_rates.py).
     num_scheduled_tokens: int = 0
+    num_scheduled_prompt_tokens: int = 0
+    step_time_s: float = 0.0
     # Prompt tokens of requests that got their first token in this step (vLLM counts a
     # prompt once, when its prefill is done), and how many of them came from the prefix cache
     # rather than being computed.

@@ -165,6 +165,11 @@ class RequestStatsTracker:
                 hits = times.access_times
                 iteration.kv_block_reuse_gaps_s.extend(b - a for a, b in pairwise(hits))
 
+    def record_step(self, step_time_s: float, num_scheduled_prompt_tokens: int) -> None:
+        """The step's own time (schedule to outputs) and the prompt-chunk tokens it ran."""
+        self._iteration.step_time_s = step_time_s
+        self._iteration.num_scheduled_prompt_tokens = num_scheduled_prompt_tokens
+
     def record_sleep_mode_operation(self, operation: str, duration_s: float) -> None:
         """A sleep or a wake-up of the engine ("sleep" / "wake") and how long it took."""
         self._iteration.sleep_mode_operations_s.append((operation, duration_s))

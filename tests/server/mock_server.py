@@ -31,6 +31,17 @@ class SlowMockRunner(MockRunner):
         return super().execute(out)
 
 
+class GatedMockRunner(MockRunner):
+    """The mock model, whose steps wait for the test to open `gate` (a fresh Event per test):
+    requests submitted meanwhile stay where they are, their prompts not yet prefilled."""
+
+    gate = threading.Event()
+
+    def execute(self, out):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().execute(out)
+
+
 @dataclass
 class MockServer:
     base_url: str

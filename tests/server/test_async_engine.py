@@ -29,6 +29,8 @@ REJECTED_PROMPT = [666]
 class FakeEngine:
     """One token "t" per step per request until max_tokens; aborts report on the next step."""
 
+    num_replicas = 1
+
     def __init__(self) -> None:
         self.remaining: dict[str, int] = {}
         self.to_report_aborted: list[str] = []
@@ -61,6 +63,9 @@ class FakeEngine:
 
     def is_sleeping(self) -> bool:
         return self.sleeping
+
+    def add_stat_logger(self, stat_logger) -> None:
+        pass  # it records no stats
 
     def step(self) -> list[RequestOutput]:
         self.callers.add(threading.current_thread().name)

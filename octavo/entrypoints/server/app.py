@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
 Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`; `/tokenizer_info` when enabled;
+`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, the operator's `/v1/kv` and
+`/v1/config` (ops_routes.py); `/tokenizer_info` when enabled;
 with dev endpoints enabled, `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a
 profiler configured, `/start_profile`, `/stop_profile`), the API-key check (every path but
 `/health`), opt-in CORS, the connection limits (header and body read timeouts, keep-alive, a
@@ -49,6 +50,7 @@ from octavo.entrypoints.server.errors import (
     from_value_error,
     install_error_handlers,
 )
+from octavo.entrypoints.server.ops_routes import add_ops_routes
 from octavo.entrypoints.server.protocol import (
     DetokenizeRequest,
     ModelCard,
@@ -68,8 +70,9 @@ logger = logging.getLogger(__name__)
 
 # Paths a client may call without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping"})
-# Paths the HTTP metrics leave out (as vLLM's): scrapes and health checks.
-UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version")
+# Paths the HTTP metrics leave out (as vLLM's): scrapes and health checks, and /v1/kv, which
+# `octavo top` reads every second.
+UNMETERED_PATHS = ("/metrics", "/health", "/ping", "/version", "/v1/kv")
 
 
 @dataclass(frozen=True)
@@ -409,6 +412,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=stat_logger.content_type)
+
+    add_ops_routes(app, async_engine)
 
     if config.enable_dev_endpoints:
 

@@ -327,7 +327,8 @@ def engine_error_to_openai(exc: Exception) -> OpenAIError:
         return from_value_error(exc, SAMPLING_FIELDS, {})
     if isinstance(exc, QueueOverflowError):
         # Shed before admission: the client may come back (DESIGN.md's rule for shedding).
-        return OpenAIError(503, str(exc), headers={"Retry-After": str(SHED_RETRY_AFTER_S)})
+        retry_after_s = exc.retry_after_s or SHED_RETRY_AFTER_S
+        return OpenAIError(503, str(exc), headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc))
     if isinstance(exc, (EngineStepError, EngineRequestError)):
