@@ -42,16 +42,22 @@ SETTINGS = dict(dtype="float32", kv_cache_tokens=2048, block_size=4, max_model_l
 PROMPTS = [[1, 17, 90, 33, 5], [1, 200, 4], [1, 64, 64, 128, 7, 9, 250]]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(folder, transformers model) of a tiny llama whose EOS logit swings widely."""
-    folder = tmp_path_factory.mktemp("beam")
+def save_beam_model(folder):
+    """Save a tiny llama whose EOS logit swings widely (and its tokenizer) to `folder`;
+    returns the transformers model."""
     model = save_tiny_checkpoint(folder, "llama", seed=3)
     with torch.no_grad():
         model.lm_head.weight[EOS] *= 4.0
     model.save_pretrained(folder)
     _save_tokenizer(folder)
-    return folder, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, transformers model) of save_beam_model's."""
+    folder = tmp_path_factory.mktemp("beam")
+    return folder, save_beam_model(folder)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,7 @@ def _hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def _reference(model, prompt, k, max_tokens, length_penalty, ignore_eos):
+def reference_beam_search(model, prompt, k, max_tokens, length_penalty, ignore_eos):
     """vLLM 0.32's offline beam search, step by step, over transformers' logits."""
     beams = [(list(prompt), 0.0)]
     completed = []
@@ -147,7 +153,9 @@ def test_with_eos_the_beams_are_vllms_algorithm_over_transformers_logits(
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
     num_stopped = 0
     for prompt, output in zip(PROMPTS, outputs):
-        expected = _reference(model, prompt, k, max_tokens, length_penalty, ignore_eos=False)
+        expected = reference_beam_search(
+            model, prompt, k, max_tokens, length_penalty, ignore_eos=False
+        )
         assert [beam.tokens for beam in output.sequences] == [tokens for tokens, _ in expected]
         for beam, (_, cum) in zip(output.sequences, expected):
             assert beam.cum_logprob == pytest.approx(cum, abs=1e-4)

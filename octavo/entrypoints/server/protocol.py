@@ -26,9 +26,9 @@ from pydantic import (
 # vLLM request fields octavo does not implement, with the values that mean "off" (vLLM's
 # default; None and an empty list or object are always off).
 REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
     "watermarking": (False,),
-    "length_penalty": (1.0,),
+    # vLLM's earlier beam-search field; vLLM 0.32 reads it no more (beams run to max_tokens).
+    "early_stopping": (False,),
     "truncation_side": ("left",),
     "logprob_token_ids": (),
     "prompt_embeds": (),
@@ -116,10 +116,12 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search: `n` is the width (serving_beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's fields refused unless off (REFUSED_OFF_VALUES).
-    use_beam_search: Refused = None
+    early_stopping: Refused = None
     watermarking: Refused = None
-    length_penalty: Refused = None
     truncation_side: Refused = None
     logprob_token_ids: Refused = None
     request_id: Refused = None
