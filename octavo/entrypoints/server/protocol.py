@@ -54,7 +54,9 @@ REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+def is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """Whether `value` is one meaning "not set": None, an empty list or object, or one of
+    `off` (a bool only where a bool is)."""
     if value is None or (isinstance(value, (list, dict)) and not value):
         return True
     # True == 1 in Python; a bool is off only where a bool is.
@@ -63,7 +65,7 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
 
 def _refuse_unless_off(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name or ""
-    if not _is_off(value, REFUSED_OFF_VALUES[name]):
+    if not is_off(value, REFUSED_OFF_VALUES[name]):
         raise ValueError(f"{name}={value!r} is not supported by octavo")
     return value
 

@@ -31,6 +31,7 @@ from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.output_processor import OutputKind
 from octavo.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from octavo.entrypoints.server.errors import bad_request
+from octavo.entrypoints.server.protocol import is_off
 from octavo.entrypoints.server.serving_common import ServingContext
 
 # Request fields a beam search does not apply, with the values that mean "not set" (None and
@@ -54,13 +55,10 @@ _NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_beam_search_request(context: ServingContext, request: Any, stream_refused: bool) -> None:
+def check_beam_search_request(context: ServingContext, request: Any) -> None:
     """400 naming the field for what a beam search cannot serve: n (the width) beyond what
-    --max-logprobs allows, a stream where vLLM refuses one (completions), echo with logprobs
-    (vLLM's rule: a beam search computes no prompt logprobs), an output constraint, and every
-    sampling field it would not apply."""
-    if stream_refused and request.stream:
-        raise bad_request("Streaming is not supported with beam search.", "stream")
+    --max-logprobs allows, echo with logprobs (vLLM's rule: a beam search computes no prompt
+    logprobs), an output constraint, and every sampling field it would not apply."""
     if getattr(request, "echo", False) and request.logprobs is not None:
         raise bad_request(
             "echo with logprobs is not supported with beam search: a beam search computes no "
@@ -72,11 +70,8 @@ def check_beam_search_request(context: ServingContext, request: Any, stream_refu
         raise bad_request("response_format is not supported with beam search.", "response_format")
     for name, off in _NOT_WITH_BEAM_SEARCH.items():
         value = getattr(request, name, None)
-        if value is None or (isinstance(value, (list, dict, str)) and not value):
-            continue
-        if any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
-            continue
-        raise bad_request(f"{name}={value!r} is not supported with beam search.", name)
+        if not is_off(value, off) and value != "":
+            raise bad_request(f"{name}={value!r} is not supported with beam search.", name)
     try:
         max_logprobs = context.async_engine.engine.input_processor.max_logprobs
         check_beam_width(max_logprobs, request.n, "n")
