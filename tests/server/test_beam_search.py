@@ -224,6 +224,15 @@ def test_what_a_beam_search_cannot_serve_is_a_400_naming_it(http, path, extra, p
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_length_penalty_without_beam_search_is_a_400(http, path):
+    body = {"prompt": PROMPT_IDS} if path == "/v1/completions" else {"messages": MESSAGES}
+    response = http.post(path, json={**body, "max_tokens": 2, "length_penalty": 0.5})
+    assert_error(response, "length_penalty", "use_beam_search")
+    ok = http.post(path, json={**body, "max_tokens": 2, "length_penalty": 1.0})
+    assert ok.status_code == 200, ok.text
+
+
 def test_completion_only_refusals(http):
     body = {"prompt": PROMPT_IDS, "max_tokens": 4, "n": 2, "use_beam_search": True}
     # vLLM's: no stream, and no echo with logprobs (a search computes no prompt logprobs).

@@ -58,7 +58,15 @@ _NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
 def check_beam_search_request(context: ServingContext, request: Any) -> None:
     """400 naming the field for what a beam search cannot serve: n (the width) beyond what
     --max-logprobs allows, echo with logprobs (vLLM's rule: a beam search computes no prompt
-    logprobs), an output constraint, and every sampling field it would not apply."""
+    logprobs), an output constraint, and every sampling field it would not apply. Without
+    use_beam_search, only length_penalty is checked: it means nothing then (vLLM drops it)."""
+    if not request.use_beam_search:
+        if request.length_penalty != 1.0:
+            raise bad_request(
+                "length_penalty applies only to a beam search (use_beam_search).",
+                "length_penalty",
+            )
+        return
     if getattr(request, "echo", False) and request.logprobs is not None:
         raise bad_request(
             "echo with logprobs is not supported with beam search: a beam search computes no "

@@ -122,9 +122,8 @@ class OpenAIServingChat:
         check_model(context, request.model)
         check_priority(context, request.priority)
         check_num_sequences(context, 1, request.n)
-        if request.use_beam_search:
-            # vLLM streams a chat beam search: each beam's whole text as one delta at the end.
-            check_beam_search_request(context, request)
+        # vLLM streams a chat beam search: each beam's whole text as one delta at the end.
+        check_beam_search_request(context, request)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true.", "stream_options"

@@ -100,10 +100,10 @@ class OpenAIServingCompletion:
         _check_unsupported(request)
         prompts = _prompt_list(request.prompt)
         check_num_sequences(context, len(prompts), request.n)
-        if request.use_beam_search:
-            if request.stream:  # vLLM's rule (its chat streams a search; see serving_chat)
-                raise bad_request("Streaming is not supported with beam search.", "stream")
-            check_beam_search_request(context, request)
+        if request.use_beam_search and request.stream:
+            # vLLM's rule (its chat streams a search; see serving_chat).
+            raise bad_request("Streaming is not supported with beam search.", "stream")
+        check_beam_search_request(context, request)
         limit = generation_max_tokens(context, request.max_tokens)
         max_tokens = request.max_tokens if limit is None else None
         params = make_sampling_params(context, request, max_tokens, request.logprobs, {})
