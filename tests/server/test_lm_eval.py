@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lm_eval
 import pytest
 import torch
 
@@ -31,8 +32,6 @@ from ..model.tiny import save_tiny_checkpoint
 from .utils import free_port, start_in_thread
 
 pytestmark = pytest.mark.slow
-
-lm_eval = pytest.importorskip("lm_eval")
 
 NUM_ITEMS = 10
 MAX_GEN_TOKS = 6
