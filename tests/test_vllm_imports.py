@@ -93,7 +93,9 @@ def test_vllm_paths_import_without_torch():
     code = (
         "import sys\n"
         "import octavo, octavo.sampling_params, octavo.inputs, octavo.outputs\n"
-        "import octavo.engine.arg_utils\n"
+        "import octavo.engine.arg_utils, octavo.beam_search\n"
+        "from octavo.sampling_params import BeamSearchParams\n"
+        "from octavo.beam_search import BeamSearchOutput, BeamSearchSequence\n"
         "from octavo import TokensPrompt, TextPrompt, PromptType, EngineArgs, AsyncEngineArgs\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -317,3 +317,46 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
     except struct.error:  # not a number at all: the comparison that follows fails
         return math.nan
+
+
+@dataclass
+class BeamSearchParams:
+    """The knobs of a beam search (vLLM's `BeamSearchParams`, its names and defaults).
+
+    Each step, every live beam's next-token logprobs give 2 * beam_width candidates; the best
+    beam_width by cumulative logprob that do not end in EOS live on, those that do are set
+    aside as finished. After max_tokens steps (or when no beam is left) the finished and live
+    beams are ranked by cum_logprob / length ** length_penalty, where length counts the
+    prompt's tokens and the beam's, a final EOS left out (vLLM's score), and the best
+    beam_width are returned. `temperature` is that of the draw each step makes: the logprobs
+    are the model's raw ones whatever it is, and a drawn token outside the top candidates
+    joins them (vLLM's rule). Plain data; ValueError names a bad field.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    # vLLM's fields octavo's beam search does not implement: only their "off" values.
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, must: str) -> ValueError:
+            return ValueError(f"{name} must be {must}, got {value!r}.")
+
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise bad("beam_width", self.beam_width, "an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not 0.0 <= _float32(self.temperature) < math.inf:
+            raise bad("temperature", self.temperature, "non-negative and finite")
+        if not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", self.length_penalty, "finite")
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with beam search by octavo.")
+        if self.watermarking:
+            raise ValueError("watermarking=True is not supported by octavo.")

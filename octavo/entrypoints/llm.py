@@ -1,4 +1,4 @@
-"""LLM: the offline API, with vLLM's names (`generate`, `chat`, `sleep` / `wake_up`,
+"""LLM: the offline API, with vLLM's names (`generate`, `chat`, `beam_search`, `sleep` / `wake_up`,
 `start_profile` / `stop_profile`, `get_metrics`), over one LLMEngine.
 
 from octavo import LLM, SamplingParams
@@ -17,7 +17,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from octavo.config import EngineArgs
-from octavo.core.sampling_params import SamplingParams
+from octavo.core.request import FinishReason
+from octavo.core.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    check_beam_width,
+    step_sampling_params,
+)
 from octavo.engine.input_processor import ProcessedPrompt, PromptType
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
@@ -153,6 +160,79 @@ class LLM:
             for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt, its `sequences` the best
+        params.beam_width beams, best first, each with `tokens` (the prompt's, then the beam's,
+        EOS included), `text` (all of them decoded), `cum_logprob` and per-position
+        `logprobs`. Each step runs every live beam of every prompt (of `concurrency_limit`
+        prompts at a time; None: all) as a one-token request in one batch (see
+        octavo/engine/beam_search.py). EOS is any of the engine's EOS tokens. `lora_request`
+        is vLLM's; octavo has no LoRA, so anything but None is a ValueError."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by octavo.")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be at least 1, got {concurrency_limit}.")
+        engine = self.llm_engine
+        if engine.is_sleeping():
+            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
+        processor = engine.input_processor
+        check_beam_width(processor.max_logprobs, params.beam_width, "beam_width")
+        processed = [processor.process_prompt(p) for p in self._as_prompt_list(prompts)]
+        whole = SamplingParams(max_tokens=params.max_tokens)
+        for prompt in processed:
+            processor.resolve_params(whole, len(prompt.prompt_token_ids))  # checks only
+        searches = [
+            BeamSearch(p.prompt_token_ids, params, processor.eos_token_ids, p.prompt)
+            for p in processed
+        ]
+        step_params = step_sampling_params(params)
+        limit = concurrency_limit or max(len(searches), 1)
+        for start in range(0, len(searches), limit):
+            batch = searches[start : start + limit]
+            steps = range(params.max_tokens)
+            for _ in tqdm(steps, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
+                if all(search.is_done() for search in batch):
+                    break
+                self._beam_search_step(batch, step_params)
+        outputs = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = engine.tokenizer.decode(
+                    beam.tokens, skip_special_tokens=params.skip_special_tokens
+                )
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+    def _beam_search_step(self, searches: list[BeamSearch], step_params: SamplingParams) -> None:
+        """Every live beam of `searches` as a one-token request, all in one batch."""
+        engine = self.llm_engine
+        owners: list[BeamSearch] = []
+        request_ids: list[str] = []
+        for search in searches:
+            if search.is_done():
+                continue
+            for beam in search.beams:
+                request_id = engine.next_request_id()
+                prompt = ProcessedPrompt(None, beam.tokens)
+                engine.add_request(request_id, prompt, step_params, OutputKind.FINAL_ONLY)
+                owners.append(search)
+                request_ids.append(request_id)
+        results = self._run_engine(request_ids, use_tqdm=False)
+        for search in dict.fromkeys(owners):
+            mine = [r.outputs[0] for r, owner in zip(results, owners) if owner is search]
+            if any(c.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for c in mine):
+                search.abort()
+            else:
+                search.advance([(c.token_ids[0], c.logprobs[0]) for c in mine])
 
     # --- internals ----------------------------------------------------------------------------
 

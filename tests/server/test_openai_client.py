@@ -176,3 +176,24 @@ def test_prompt_lists_token_ids_and_echo(client, model, http) -> None:
     assert several.choices[0].text == several.choices[1].text == by_text
     echoed = _greedy(client, model, max_tokens=4, echo=True).choices[0].text
     assert echoed == PROMPT + by_text
+
+
+def test_beam_search_through_the_engine_process(client, model, server) -> None:
+    """use_beam_search over the engine core in its own process (tests/server/test_beam_search.py
+    checks the beams themselves against transformers' logits, in-process)."""
+    extra = {"use_beam_search": True, "ignore_eos": True}
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, n=3, temperature=0, logprobs=1, extra_body=extra
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert len({c.text for c in completion.choices}) == 3
+    assert {c.finish_reason for c in completion.choices} == {"length"}
+    # Beams of one length rank by their cumulative logprob, best first.
+    sums = [sum(c.logprobs.token_logprobs) for c in completion.choices]
+    assert sums == sorted(sums, reverse=True)
+    assert completion.usage.completion_tokens == 12
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, n=2, temperature=0, extra_body=extra
+    )
+    assert len({c.message.content for c in chat.choices}) == 2
+    server.assert_no_leak()

@@ -52,9 +52,9 @@ def test_token_rules_and_truncation_reach_the_sampler(http):
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_a_vllm_field_octavo_lacks_is_a_400_naming_it(http, path):
     body = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
-    response = http.post(path, json={**body, "max_tokens": 2, "use_beam_search": True})
-    assert_error(response, "use_beam_search", "not supported")
+    response = http.post(path, json={**body, "max_tokens": 2, "early_stopping": True})
+    assert_error(response, "early_stopping", "not supported")
     response = http.post(path, json={**body, "max_tokens": 2, "allowed_token_ids": [10**9]})
     assert_error(response, "allowed_token_ids", "out of range")
-    ok = http.post(path, json={**body, "max_tokens": 2, "use_beam_search": False})
+    ok = http.post(path, json={**body, "max_tokens": 2, "early_stopping": False})
     assert ok.status_code == 200, ok.text

@@ -26,9 +26,9 @@ from pydantic import (
 # vLLM request fields octavo does not implement, with the values that mean "off" (vLLM's
 # default; None and an empty list or object are always off).
 REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
     "watermarking": (False,),
-    "length_penalty": (1.0,),
+    # vLLM's earlier beam-search field; vLLM 0.32 reads it no more (beams run to max_tokens).
+    "early_stopping": (False,),
     "truncation_side": ("left",),
     "logprob_token_ids": (),
     "prompt_embeds": (),
@@ -54,7 +54,9 @@ REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+def is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """Whether `value` is one meaning "not set": None, an empty list or object, or one of
+    `off` (a bool only where a bool is)."""
     if value is None or (isinstance(value, (list, dict)) and not value):
         return True
     # True == 1 in Python; a bool is off only where a bool is.
@@ -63,7 +65,7 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
 
 def _refuse_unless_off(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name or ""
-    if not _is_off(value, REFUSED_OFF_VALUES[name]):
+    if not is_off(value, REFUSED_OFF_VALUES[name]):
         raise ValueError(f"{name}={value!r} is not supported by octavo")
     return value
 
@@ -116,10 +118,12 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search: `n` is the width (serving_beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's fields refused unless off (REFUSED_OFF_VALUES).
-    use_beam_search: Refused = None
+    early_stopping: Refused = None
     watermarking: Refused = None
-    length_penalty: Refused = None
     truncation_side: Refused = None
     logprob_token_ids: Refused = None
     request_id: Refused = None

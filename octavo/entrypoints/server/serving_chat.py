@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from octavo.core.request import FinishReason
+from octavo.core.sampling_params import BeamSearchParams
 from octavo.engine.async_engine import EngineRequest
 from octavo.engine.outputs import CompletionOutput, PromptLogprobs
 from octavo.entrypoints.server.chat_render import chat_render_from
@@ -47,6 +48,11 @@ from octavo.entrypoints.server.protocol import (
 )
 from octavo.entrypoints.server.reasoning_parsers import ReasoningParser, reasoning_parser_for
 from octavo.entrypoints.server.request_body import parse_body
+from octavo.entrypoints.server.serving_beam_search import (
+    beam_search_outputs,
+    check_beam_search_request,
+    to_beam_search_params,
+)
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
     PromptUsage,
@@ -117,6 +123,8 @@ class OpenAIServingChat:
         check_model(context, request.model)
         check_priority(context, request.priority)
         check_num_sequences(context, 1, request.n)
+        # vLLM streams a chat beam search: each beam's whole text as one delta at the end.
+        check_beam_search_request(context, request)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true.", "stream_options"
@@ -125,6 +133,12 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         check_prompt_logprobs(request)
         tool_setup = resolve_tools(request.tools, request.tool_choice, self.tools)
+        if request.use_beam_search and tool_setup.structured_outputs is not None:
+            raise bad_request(
+                f"tool_choice={request.tool_choice!r} constrains the output, which is not "
+                "supported with beam search.",
+                "tool_choice",
+            )
         template_kwargs = {
             **(context.default_chat_template_kwargs or {}),
             **(request.chat_template_kwargs or {}),
@@ -166,7 +180,13 @@ class OpenAIServingChat:
         engine_request = EngineRequest(
             request_id, processed, params, arrival_time, request.priority
         )
-        return _Run(context, request, engine_request, tool_setup.make_parser, make_reasoning)
+        run = _Run(context, request, engine_request, tool_setup.make_parser, make_reasoning)
+        if request.use_beam_search:
+            num_prompt_tokens = len(processed.prompt_token_ids)
+            run.beam = to_beam_search_params(
+                request, params, num_prompt_tokens, context.max_model_len
+            )
+        return run
 
 
 class _Run:
@@ -196,10 +216,18 @@ class _Run:
         ]
         self.num_top_logprobs = request.top_logprobs or 0
         self.prompt_logprobs: PromptLogprobs | None = None
+        # Its beam search (use_beam_search), or None: the request runs as given.
+        self.beam: BeamSearchParams | None = None
 
     async def _outputs(self) -> AsyncIterator[CompletionOutput]:
-        engine = self.context.async_engine
-        async with aclosing(engine.generate([self.engine_request])) as outputs:
+        if self.beam is not None:
+            num_logprobs = self.num_top_logprobs if self.request.logprobs else None
+            source = beam_search_outputs(
+                self.context, self.engine_requests, [self.beam], num_logprobs
+            )
+        else:
+            source = self.context.async_engine.generate(self.engine_requests)
+        async with aclosing(source) as outputs:
             async for output in outputs:
                 self.usage.update(output)
                 if output.prompt_logprobs is not None:

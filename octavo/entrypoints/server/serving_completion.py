@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from octavo.core.sampling_params import BeamSearchParams
 from octavo.engine.async_engine import EngineRequest
 from octavo.engine.outputs import CompletionOutput, PromptLogprobs
 from octavo.entrypoints.server.errors import bad_request
@@ -33,6 +34,11 @@ from octavo.entrypoints.server.protocol import (
     CompletionResponse,
 )
 from octavo.entrypoints.server.request_body import parse_body
+from octavo.entrypoints.server.serving_beam_search import (
+    beam_search_outputs,
+    check_beam_search_request,
+    to_beam_search_params,
+)
 from octavo.entrypoints.server.serving_common import (
     SSE_DONE,
     PromptUsage,
@@ -94,6 +100,10 @@ class OpenAIServingCompletion:
         _check_unsupported(request)
         prompts = _prompt_list(request.prompt)
         check_num_sequences(context, len(prompts), request.n)
+        if request.use_beam_search and request.stream:
+            # vLLM's rule (its chat streams a search; see serving_chat).
+            raise bad_request("Streaming is not supported with beam search.", "stream")
+        check_beam_search_request(context, request)
         limit = generation_max_tokens(context, request.max_tokens)
         max_tokens = request.max_tokens if limit is None else None
         params = make_sampling_params(context, request, max_tokens, request.logprobs, {})
@@ -104,6 +114,7 @@ class OpenAIServingCompletion:
         engine_requests: list[EngineRequest] = []
         request_id = new_request_id("cmpl")
         echoes: list[str] = []
+        beams: list[BeamSearchParams] = []
         for index, prompt in enumerate(prompts):
             processed, prompt_params = process_prompt(
                 context,
@@ -123,13 +134,22 @@ class OpenAIServingCompletion:
                     request.priority,
                 )
             )
+            if request.use_beam_search:
+                beams.append(
+                    to_beam_search_params(
+                        request,
+                        prompt_params,
+                        len(processed.prompt_token_ids),
+                        context.max_model_len,
+                    )
+                )
             if request.echo:
                 echoes.append(
                     processed.prompt
                     if processed.prompt is not None
                     else context.async_engine.engine.tokenizer.decode(processed.prompt_token_ids)
                 )
-        return _Run(context, request, request_id, engine_requests, echoes)
+        return _Run(context, request, request_id, engine_requests, echoes, beams or None)
 
 
 def _check_unsupported(request: CompletionRequest) -> None:
@@ -162,8 +182,11 @@ class _Run:
         request_id: str,
         engine_requests: list[EngineRequest],
         echoes: list[str],
+        beams: list[BeamSearchParams] | None = None,
     ) -> None:
         self.context = context
+        # Per prompt, its beam search (use_beam_search), or None: the requests run as given.
+        self.beams = beams
         self.request = request
         self.request_id = request_id
         self.engine_requests = engine_requests
@@ -181,8 +204,13 @@ class _Run:
 
     async def _outputs(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """(choice index, delta) in the order steps produce them."""
-        engine = self.context.async_engine
-        async with aclosing(engine.generate(self.engine_requests)) as outputs:
+        if self.beams is not None:
+            source = beam_search_outputs(
+                self.context, self.engine_requests, self.beams, self.request.logprobs
+            )
+        else:
+            source = self.context.async_engine.generate(self.engine_requests)
+        async with aclosing(source) as outputs:
             async for output in outputs:
                 prompt_index = self.prompt_index[output.request_id]
                 self.usage[prompt_index].update(output)
