@@ -177,3 +177,36 @@ def test_stop_reason_mapping() -> None:
     assert _stop_reason("tool_calls", None, False) == ("tool_use", None)
     assert _stop_reason("stop", 2, False) == ("end_turn", None)
     assert _stop_reason("abort", None, False) == (None, None)
+
+
+def test_thinking_is_a_thinking_block_whole_and_streamed() -> None:
+    from octavo.entrypoints.server.app import ServerConfig
+
+    from .test_tool_call_formats import scripted_llm
+
+    text = "Greet back.</think>Hello there!"  # qwen3: the output starts inside the thinking
+    config = ServerConfig(reasoning_parser="qwen3")
+    with mock_server(config, llm=scripted_llm(text, [])) as server:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="none", timeout=30)
+        message = client.messages.create(model="mock", max_tokens=50, messages=MESSAGES)
+        thinking, answer = message.content
+        assert (thinking.type, thinking.thinking) == ("thinking", "Greet back.")
+        assert thinking.signature
+        assert (answer.type, answer.text) == ("text", "Hello there!")
+        assert message.stop_reason == "end_turn"
+        with client.messages.stream(model="mock", max_tokens=50, messages=MESSAGES) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        assert [
+            (b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in final.content
+        ] == [
+            ("thinking", "Greet back."),
+            ("text", "Hello there!"),
+        ]
+        assert final.stop_reason == "end_turn"
+        starts = [e.index for e in events if e.type == "content_block_start"]
+        stops = [e.index for e in events if e.type == "content_block_stop"]
+        assert starts == stops == [0, 1]
+        signatures = [e for e in events if e.type == "signature"]
+        assert len(signatures) == 1

@@ -4,6 +4,7 @@ response store, background mode, refusals): each text is compared with what
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from typing import Any
@@ -279,3 +280,93 @@ def test_no_store_refuses_background() -> None:
         created = httpx.post(server.base_url + "/v1/responses", json=body, timeout=30).json()
         response = httpx.get(server.base_url + f"/v1/responses/{created['id']}", timeout=30)
         assert response.status_code == 404
+
+
+# --- thinking and calls (a scripted model) ----------------------------------------------------
+
+
+def _scripted(text: str, config: ServerConfig):
+    from .test_tool_call_formats import scripted_llm
+
+    return mock_server(config, llm=scripted_llm(text, []))
+
+
+THINKING = "Greet back.</think>Hello there!"  # qwen3: the output starts inside the thinking
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_thinking_is_a_reasoning_item_whole_and_streamed() -> None:
+    with _scripted(THINKING, ServerConfig(reasoning_parser="qwen3")) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=30)
+        response = client.responses.create(model="mock", input="hi", max_output_tokens=50)
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning"
+        assert [part.text for part in reasoning.content] == ["Greet back."]
+        assert message.type == "message" and response.output_text == "Hello there!"
+        # "Greet back." is the model's first 3 tokens (pieces of 4 characters).
+        assert response.usage.output_tokens_details.reasoning_tokens == 3
+        assert response.status == "completed"
+        events = list(
+            client.responses.create(model="mock", input="hi", max_output_tokens=50, stream=True)
+        )
+        kinds = [e.type for e in events if not e.type.endswith(".delta")]
+        assert kinds == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.reasoning_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+        thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thinking == "Greet back."
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["reasoning", "message"]
+        assert final.output_text == "Hello there!"
+        assert final.usage.output_tokens_details.reasoning_tokens == 3
+        assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+        hidden = client.responses.create(
+            model="mock", input="hi", max_output_tokens=50, extra_body={"include_reasoning": False}
+        )
+        assert [item.type for item in hidden.output] == ["message"]
+
+
+def test_an_auto_call_after_text_is_a_function_call_item() -> None:
+    config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    with _scripted(f"Checking.{CALL}", config) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=30)
+        response = client.responses.create(
+            model="mock", input="weather?", tools=[tool], max_output_tokens=80
+        )
+        message, call = response.output
+        assert message.type == "message" and response.output_text == "Checking."
+        assert (call.type, call.name, json.loads(call.arguments)) == (
+            "function_call",
+            "get_weather",
+            {"city": "Paris"},
+        )
+        events = list(
+            client.responses.create(
+                model="mock", input="weather?", tools=[tool], max_output_tokens=80, stream=True
+            )
+        )
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [item.type for item in done] == ["message", "function_call"]
+        assert json.loads(done[1].arguments) == {"city": "Paris"}
+        arguments = "".join(
+            e.delta for e in events if e.type == "response.function_call_arguments.delta"
+        )
+        assert arguments == done[1].arguments
+        assert events[-1].response.output[1].call_id == done[1].call_id
