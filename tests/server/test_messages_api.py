@@ -210,3 +210,27 @@ def test_thinking_is_a_thinking_block_whole_and_streamed() -> None:
         assert starts == stops == [0, 1]
         signatures = [e for e in events if e.type == "signature"]
         assert len(signatures) == 1
+
+
+def test_disable_parallel_tool_use_keeps_the_first_call() -> None:
+    from octavo.entrypoints.server.app import ServerConfig
+
+    from .test_tool_call_formats import scripted_llm
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text = call + call.replace("Paris", "Rome")
+    config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    with mock_server(config, llm=scripted_llm(text, [])) as server:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="none", timeout=30)
+        body: dict[str, Any] = dict(model="mock", max_tokens=80, messages=MESSAGES, tools=tools)
+        both = client.messages.create(**body)
+        assert [b.input["city"] for b in both.content] == ["Paris", "Rome"]
+        assert both.stop_reason == "tool_use"
+        choice = {"type": "auto", "disable_parallel_tool_use": True}
+        first = client.messages.create(**body, tool_choice=choice)
+        assert [b.input["city"] for b in first.content] == ["Paris"]
+        with client.messages.stream(**body, tool_choice=choice) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, b.input) for b in final.content] == [("tool_use", {"city": "Paris"})]
+        assert final.stop_reason == "tool_use"

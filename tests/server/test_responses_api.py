@@ -370,3 +370,26 @@ def test_an_auto_call_after_text_is_a_function_call_item() -> None:
         )
         assert arguments == done[1].arguments
         assert events[-1].response.output[1].call_id == done[1].call_id
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    second = CALL.replace("Paris", "Rome")
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    with _scripted(CALL + second, config) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=30)
+        body: dict[str, Any] = dict(model="mock", input="w?", tools=[tool], max_output_tokens=80)
+        both = client.responses.create(**body)
+        assert [json.loads(i.arguments)["city"] for i in both.output] == ["Paris", "Rome"]
+        first = client.responses.create(**body, parallel_tool_calls=False)
+        assert [json.loads(i.arguments)["city"] for i in first.output] == ["Paris"]
+        assert first.parallel_tool_calls is False
+        events = list(client.responses.create(**body, parallel_tool_calls=False, stream=True))
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [json.loads(item.arguments)["city"] for item in done] == ["Paris"]
+
+
+def test_retrieve_does_not_stream(client, http) -> None:
+    done = client.responses.create(model="mock", input="the cat", max_output_tokens=1)
+    response = http.get(f"/v1/responses/{done.id}", params={"stream": "true"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"

@@ -253,3 +253,37 @@ def test_messages_tool_use_and_tool_result(claude, http, server) -> None:
     usage = answer.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
     server.assert_no_leak()
+
+
+def test_json_schema_formats_are_chats_response_format(client, claude, http, server) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Pick a color."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    for _ in range(2):  # the second run reads the prompt from the prefix cache, as all below
+        chat = _chat(http, messages, max_tokens=20, response_format=response_format)
+    text = chat["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), schema)
+    response = client.responses.create(
+        model=MODEL,
+        input="Pick a color.",
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema}},
+        max_output_tokens=20,
+        temperature=0,
+    )
+    assert response.output_text == text
+    message = claude.messages.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        extra_body={
+            "temperature": 0,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    )
+    assert message.content[0].text == text
+    server.assert_no_leak()

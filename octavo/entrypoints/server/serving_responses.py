@@ -18,6 +18,7 @@ order, numbered by `sequence_number`), and the response store:
   response that GET /v1/responses/{id} follows to its end; POST .../cancel stops it.
 
 Errors name the Responses field (`input`, `max_output_tokens`, `text`, ...), not the chat one.
+The items' translation lives in responses_items.py, the stream's events in responses_stream.py.
 
 Must not: render, sample or parse model output itself (the chat path does), or step the engine.
 """
@@ -25,13 +26,11 @@ Must not: render, sample or parse model output itself (the chat path does), or s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +51,19 @@ from octavo.entrypoints.server.protocol_responses import (
     ResponseUsage,
 )
 from octavo.entrypoints.server.request_body import parse_body, read_body
+from octavo.entrypoints.server.responses_items import (
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    function_call_item,
+    input_messages,
+    item_id,
+    message_item,
+    output_messages,
+    reasoning_item,
+    template_kwargs,
+)
+from octavo.entrypoints.server.responses_stream import EventWriter, StreamItems
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import (
     ServingContext,
@@ -90,8 +102,6 @@ _SHARED_FIELDS = (
     "include_stop_str_in_output",
     "priority",
 )
-_INPUT_ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 # Statuses a background response can still be cancelled in.
 _RUNNING = ("queued", "in_progress")
 
@@ -144,234 +154,6 @@ class ResponseStore:
 
 def _not_found(response_id: str, param: str) -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.", param)
-
-
-# --- input items -> chat messages -------------------------------------------------------------
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (input_text / output_text)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text parts.", "input")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"{where}.content: only text parts (input_text, output_text) are supported, "
-                f"got {kind or type(part).__name__!r}.",
-                "input",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _last_assistant(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-
-
-def _add_assistant(messages: list[dict[str, Any]], key: str, value: Any) -> None:
-    """Thinking, text and calls of one assistant turn come as separate items: they go into
-    one assistant message while it has none of that kind yet (calls always join)."""
-    last = _last_assistant(messages)
-    if key == "tool_calls":
-        if last is not None:
-            last.setdefault("tool_calls", []).append(value)
-            return
-        messages.append({"role": "assistant", "content": None, "tool_calls": [value]})
-        return
-    if last is not None and last.get(key) is None:
-        last[key] = value
-        return
-    messages.append({"role": "assistant", "content": None, key: value})
-
-
-def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """`input` -> chat messages; 400 naming `input` for an item octavo does not take."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        where = f"input[{index}]"
-        if not isinstance(item, Mapping):
-            raise bad_request(f"{where} must be an object.", "input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in _INPUT_ROLES:
-                raise bad_request(
-                    f"{where}.role must be one of {', '.join(_INPUT_ROLES)}; got {role!r}.",
-                    "input",
-                )
-            text = _text_of(item.get("content"), where)
-            if role == "assistant":
-                _add_assistant(messages, "content", text)
-            else:
-                messages.append({"role": role, "content": text})
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise bad_request(f"{where}: a function_call needs name and call_id.", "input")
-            arguments = item.get("arguments", "{}")
-            call = {"id": item["call_id"], "type": "function"}
-            _add_assistant(
-                messages,
-                "tool_calls",
-                {**call, "function": {"name": item["name"], "arguments": arguments}},
-            )
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise bad_request(f"{where}: a function_call_output needs call_id.", "input")
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, where)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            if item.get("encrypted_content"):
-                raise bad_request(f"{where}: encrypted reasoning is not supported.", "input")
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, Mapping))
-            _add_assistant(messages, "reasoning", text)
-        else:
-            raise bad_request(f"{where}: unsupported input item type {kind!r}.", "input")
-    return messages
-
-
-def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as the chat messages of its assistant turn."""
-    messages: list[dict[str, Any]] = []
-    for item in output:
-        if item["type"] == "reasoning":
-            text = "".join(part["text"] for part in item.get("content") or [])
-            _add_assistant(messages, "reasoning", text)
-        elif item["type"] == "message":
-            text = "".join(part["text"] for part in item["content"])
-            _add_assistant(messages, "content", text)
-        elif item["type"] == "function_call":
-            function = {"name": item["name"], "arguments": item["arguments"]}
-            call = {"id": item["call_id"], "type": "function", "function": function}
-            _add_assistant(messages, "tool_calls", call)
-    return messages
-
-
-# --- tools, formats -------------------------------------------------------------------------
-
-
-def chat_tools(tools: list[Any]) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat: type, name, description, parameters, strict) -> chat
-    tools; any other tool type (web search, file search, MCP, ...) is a 400 naming `tools`."""
-    converted = []
-    for index, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            raise bad_request(
-                f"tools[{index}]: only function tools are supported, got type {kind!r}.", "tools"
-            )
-        function = {k: v for k, v in tool.items() if k != "type"}
-        converted.append({"type": "function", "function": function})
-    return converted or None
-
-
-def chat_tool_choice(tool_choice: Any, has_tools: bool) -> Any:
-    """vLLM's rules: "auto" (the default) and "none" without tools are "none"; "required"
-    or a named function needs tools."""
-    if tool_choice in ("auto", "none", "required"):
-        if not has_tools:
-            if tool_choice == "required":
-                raise bad_request(
-                    "Tool choice 'required' must be specified with 'tools' parameter.",
-                    "tool_choice",
-                )
-            return "none"
-        return tool_choice
-    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
-        name = tool_choice.get("name")
-        if not isinstance(name, str) or not name or not has_tools:
-            raise bad_request(
-                "Tool choice 'function' not found in 'tools' parameter.", "tool_choice"
-            )
-        return {"type": "function", "function": {"name": name}}
-    raise bad_request(
-        'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}; '
-        f"got {tool_choice!r}.",
-        "tool_choice",
-    )
-
-
-def chat_response_format(request: ResponsesRequest) -> dict[str, Any] | None:
-    text = request.text
-    if text is None:
-        return None
-    if text.verbosity is not None:
-        raise bad_request("text.verbosity is not supported by octavo.", "text")
-    form = text.format
-    if form is None or form.type == "text":
-        return None
-    if form.type == "json_object":
-        return {"type": "json_object"}
-    if form.schema_ is None:
-        raise bad_request("text.format.schema is required when type is 'json_schema'.", "text")
-    if request.structured_outputs is not None:
-        raise bad_request(
-            "Cannot specify both structured_outputs and text.format", "structured_outputs"
-        )
-    schema = {"name": form.name, "schema": form.schema_, "strict": form.strict}
-    return {"type": "json_schema", "json_schema": schema}
-
-
-def template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
-    """chat_template_kwargs, plus `reasoning.effort` as vLLM passes it (reasoning_effort,
-    and enable_thinking unless the request sets it)."""
-    kwargs = dict(request.chat_template_kwargs or {})
-    reasoning = request.reasoning
-    if reasoning is not None:
-        if reasoning.summary is not None or reasoning.generate_summary is not None:
-            raise bad_request("reasoning.summary is not supported by octavo.", "reasoning")
-        if reasoning.effort is not None:
-            kwargs["reasoning_effort"] = reasoning.effort
-            kwargs.setdefault("enable_thinking", reasoning.effort != "none")
-    return kwargs or None
-
-
-# --- output items ---------------------------------------------------------------------------
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
-    return {
-        "id": item_id,
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [part] if text else [],
-    }
-
-
-def reasoning_item(item_id: str, text: str, status: str | None) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": status,
-    }
-
-
-def function_call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
-) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
 
 
 # --- the handler ----------------------------------------------------------------------------
@@ -531,7 +313,7 @@ class _ResponsesRun:
         self.chat_run = chat_run
         self.engine_requests = chat_run.engine_requests
         self.conversation = conversation
-        self.response_id = _item_id("resp")
+        self.response_id = item_id("resp")
         self.created_at = int(time.time())
 
     def response(
@@ -607,19 +389,19 @@ class _ResponsesRun:
         first = self.chat_run.choices[0]
         output: list[dict[str, Any]] = []
         if first.parser is None and first.reasoning is None:
-            output.append(message_item(_item_id("msg"), message.content or "", "completed"))
+            output.append(message_item(item_id("msg"), message.content or "", "completed"))
         else:
             if message.reasoning and self.request.include_reasoning:
-                output.append(reasoning_item(_item_id("rs"), message.reasoning, None))
+                output.append(reasoning_item(item_id("rs"), message.reasoning, None))
             if message.content:
-                output.append(message_item(_item_id("msg"), message.content, "completed"))
+                output.append(message_item(item_id("msg"), message.content, "completed"))
             calls = message.tool_calls or []
             if self.request.parallel_tool_calls is False:
                 calls = calls[:1]
             for call in calls:
                 output.append(
                     function_call_item(
-                        _item_id("fc"),
+                        item_id("fc"),
                         call.id,
                         call.function.name,
                         call.function.arguments,
@@ -629,11 +411,11 @@ class _ResponsesRun:
         return self._finish(output, self.chat_run.choices[0].finish_reason)
 
     async def stream(self) -> AsyncIterator[str]:
-        events = _EventWriter()
+        events = EventWriter()
         created = self.response("in_progress").model_dump(mode="json")
         yield events.send("response.created", response=created)
         yield events.send("response.in_progress", response=created)
-        items = _StreamItems(events, self.request)
+        items = StreamItems(events, self.request)
         finish_reason = None
         try:
             async for chunk in self.chat_run.chunks():
@@ -649,161 +431,3 @@ class _ResponsesRun:
             yield text
         final = self._finish(items.output, finish_reason)
         yield events.send("response.completed", response=final.model_dump(mode="json"))
-
-
-class _EventWriter:
-    """SSE events, `event:` named by their type, numbered from 0 in the order sent."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-
-    def send(self, kind: str, **fields: Any) -> str:
-        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
-
-
-class _StreamItems:
-    """Chat deltas -> the output items' events. One item is open at a time (thinking, text,
-    or one function call); a delta of another kind, or of another call, closes it and opens
-    the next, as vLLM's simple (non-harmony) stream does."""
-
-    def __init__(self, events: _EventWriter, request: ResponsesRequest) -> None:
-        self.events = events
-        self.request = request
-        self.output: list[dict[str, Any]] = []
-        self.kind: str | None = None  # "reasoning", "message", "function_call" or None
-        self.item_id = ""
-        self.text = ""
-        self.call: dict[str, Any] = {}  # the open call's call_id, name and index
-
-    def feed(self, delta: Any) -> list[str]:
-        sent: list[str] = []
-        if delta.reasoning and self.request.include_reasoning:
-            sent += self._switch("reasoning")
-            sent.append(self._delta("response.reasoning_text.delta", delta.reasoning))
-        if delta.content:
-            sent += self._switch("message")
-            sent.append(self._delta("response.output_text.delta", delta.content, logprobs=[]))
-        for call in delta.tool_calls or []:
-            if self.request.parallel_tool_calls is False and call.index > 0:
-                continue
-            if call.id is not None:
-                sent += self._switch(None)
-                name = call.function.name if call.function else ""
-                sent += self._open_call(call.id, name, call.index)
-            arguments = call.function.arguments if call.function else None
-            if arguments:
-                sent.append(self._delta("response.function_call_arguments.delta", arguments))
-        return sent
-
-    def _delta(self, kind: str, text: str, **extra: Any) -> str:
-        self.text += text
-        return self.events.send(
-            kind,
-            item_id=self.item_id,
-            output_index=len(self.output),
-            **({} if kind == "response.function_call_arguments.delta" else {"content_index": 0}),
-            delta=text,
-            **extra,
-        )
-
-    def _switch(self, kind: str | None) -> list[str]:
-        if self.kind == kind:
-            return []
-        sent = self.close()
-        if kind == "message":
-            self._open(
-                "msg",
-                message_item("", "", "in_progress"),
-                {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                sent,
-            )
-        elif kind == "reasoning":
-            self._open(
-                "rs",
-                reasoning_item("", "", "in_progress"),
-                {"type": "reasoning_text", "text": ""},
-                sent,
-            )
-        self.kind = kind
-        return sent
-
-    def _open(
-        self, prefix: str, item: dict[str, Any], part: dict[str, Any], sent: list[str]
-    ) -> None:
-        self.item_id = _item_id(prefix)
-        self.text = ""
-        item["id"] = self.item_id
-        if item["type"] == "reasoning":
-            item["content"] = []
-        output_index = len(self.output)
-        sent.append(
-            self.events.send("response.output_item.added", output_index=output_index, item=item)
-        )
-        sent.append(
-            self.events.send(
-                "response.content_part.added",
-                item_id=self.item_id,
-                output_index=output_index,
-                content_index=0,
-                part=part,
-            )
-        )
-
-    def _open_call(self, call_id: str, name: str, index: int) -> list[str]:
-        self.kind = "function_call"
-        self.item_id = _item_id("fc")
-        self.text = ""
-        self.call = {"call_id": call_id, "name": name, "index": index}
-        item = function_call_item(self.item_id, call_id, name, "", "in_progress")
-        return [
-            self.events.send("response.output_item.added", output_index=len(self.output), item=item)
-        ]
-
-    def close(self) -> list[str]:
-        """The open item's done events; nothing when none is open."""
-        kind, self.kind = self.kind, None
-        output_index = len(self.output)
-        where = {"item_id": self.item_id, "output_index": output_index}
-        if kind == "message":
-            item = message_item(self.item_id, self.text, "completed")
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": None}
-            sent = [
-                self.events.send(
-                    "response.output_text.done",
-                    **where,
-                    content_index=0,
-                    text=self.text,
-                    logprobs=[],
-                ),
-                self.events.send("response.content_part.done", **where, content_index=0, part=part),
-            ]
-        elif kind == "reasoning":
-            item = reasoning_item(self.item_id, self.text, "completed")
-            part = {"type": "reasoning_text", "text": self.text}
-            sent = [
-                self.events.send(
-                    "response.reasoning_text.done", **where, content_index=0, text=self.text
-                ),
-                self.events.send("response.content_part.done", **where, content_index=0, part=part),
-            ]
-        elif kind == "function_call":
-            item = function_call_item(
-                self.item_id, self.call["call_id"], self.call["name"], self.text, "completed"
-            )
-            sent = [
-                self.events.send(
-                    "response.function_call_arguments.done",
-                    **where,
-                    name=self.call["name"],
-                    arguments=self.text,
-                )
-            ]
-        else:
-            return []
-        sent.append(
-            self.events.send("response.output_item.done", output_index=output_index, item=item)
-        )
-        self.output.append(item)
-        return sent
