@@ -26,7 +26,6 @@ Must not: render, sample or parse model output itself (the chat path does), or s
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -73,8 +72,6 @@ from octavo.entrypoints.server.serving_common import (
     renamed,
     respond_run,
 )
-
-logger = logging.getLogger(__name__)
 
 # Chat request fields -> the Responses fields a client sets for them (for error messages).
 _RENAMED = {
