@@ -63,6 +63,7 @@ def test_plain_input_answers_as_chat_does(client, http) -> None:
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert (response.temperature, response.max_output_tokens) == (0.0, 5)
+    assert (response.tool_choice, response.tools) == ("none", [])
 
 
 def test_instructions_and_message_items_are_a_chat_conversation(client, http) -> None:

@@ -337,7 +337,10 @@ class _ResponsesRun:
             parallel_tool_calls=request.parallel_tool_calls is not False,
             temperature=params.temperature,
             top_p=params.top_p,
-            tool_choice=request.tool_choice,
+            # vLLM's echo: "auto" (the default) without tools is "none".
+            tool_choice="none"
+            if not request.tools and request.tool_choice == "auto"
+            else request.tool_choice,
             tools=request.tools,
             background=bool(request.background),
             max_output_tokens=self._max_output_tokens(params.max_tokens),
