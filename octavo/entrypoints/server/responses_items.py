@@ -90,6 +90,8 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call needs name and call_id.", "input")
             arguments = item.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                raise bad_request(f"{where}.arguments must be a JSON string.", "input")
             call = {"id": item["call_id"], "type": "function"}
             _add_assistant(
                 messages,
@@ -106,7 +108,11 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             parts = item.get("content") or item.get("summary") or []
             if item.get("encrypted_content"):
                 raise bad_request(f"{where}: encrypted reasoning is not supported.", "input")
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, Mapping))
+            if not isinstance(parts, list) or not all(
+                isinstance(p, Mapping) and isinstance(p.get("text"), str) for p in parts
+            ):
+                raise bad_request(f"{where}: reasoning content must be text parts.", "input")
+            text = "".join(p["text"] for p in parts)
             _add_assistant(messages, "reasoning", text)
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r}.", "input")
