@@ -394,3 +394,14 @@ def test_retrieve_does_not_stream(client, http) -> None:
     done = client.responses.create(model="mock", input="the cat", max_output_tokens=1)
     response = http.get(f"/v1/responses/{done.id}", params={"stream": "true"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+
+
+def test_max_stored_responses_flag() -> None:
+    from octavo.entrypoints.cli import make_parser, server_config_from
+
+    parse = make_parser().parse_args
+    assert server_config_from(parse(["serve"])).max_stored_responses == 1000
+    ns = parse(["serve", "--max-stored-responses", "0"])
+    assert server_config_from(ns).max_stored_responses == 0
+    with pytest.raises(ValueError, match="max_stored_responses"):
+        ServerConfig(max_stored_responses=-1)
