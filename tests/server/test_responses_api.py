@@ -405,3 +405,28 @@ def test_max_stored_responses_flag() -> None:
     assert server_config_from(ns).max_stored_responses == 0
     with pytest.raises(ValueError, match="max_stored_responses"):
         ServerConfig(max_stored_responses=-1)
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request() -> None:
+    """Both new streams read the chat run through aclosing: a client gone mid-stream aborts
+    the engine request and frees its blocks."""
+    bodies = {
+        "/v1/responses": {"model": "mock", "input": "the cat", "max_output_tokens": 100},
+        "/v1/messages": {"model": "mock", "messages": MESSAGES, "max_tokens": 100},
+    }
+    with mock_server(slow=True) as server:
+        engine = server.async_engine.engine
+        for path, body in bodies.items():
+            with httpx.Client(base_url=server.base_url, timeout=30) as http:
+                with http.stream("POST", path, json={**body, "stream": True}) as response:
+                    lines = response.iter_lines()
+                    deltas = 0
+                    while deltas < 3:
+                        deltas += "delta" in next(lines)
+            # Unaborted, the 100 tokens would take another ~5 s (0.05 s a step).
+            deadline = time.monotonic() + 2
+            while engine.has_unfinished_requests():
+                assert time.monotonic() < deadline, path
+                time.sleep(0.05)
+            stats = engine.make_stats()
+            assert stats.num_free_blocks == stats.num_blocks

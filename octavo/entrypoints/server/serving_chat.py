@@ -282,15 +282,17 @@ class _Run:
     async def stream(self) -> AsyncIterator[str]:
         exclude = None if self.include_usage() else {"usage"}
         try:
-            async for chunk in self.chunks():
-                yield sse(chunk, None if chunk.usage is not None else exclude)
+            async with aclosing(self.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield sse(chunk, None if chunk.usage is not None else exclude)
         except Exception as exc:
             yield sse(engine_error_body(exc))
         yield SSE_DONE
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         """The stream's chunks in order, the usage chunk last when asked for; a failure of
-        the engine is raised (the caller frames it for its own wire format)."""
+        the engine is raised (the caller frames it for its own wire format). Closing it (a
+        client gone; callers use aclosing) aborts the request within a step."""
         opened = False
         async for completion in self._outputs():
             if not opened:

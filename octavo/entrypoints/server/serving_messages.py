@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -375,15 +376,16 @@ class _MessagesRun:
         started = False
         finish_reason = stop_reason = None
         try:
-            async for chunk in self.chat_run.chunks():
-                if not started:
-                    started = True
-                    yield _event("message_start", message=self._start())
-                for text in self._chunk_events(chunk, blocks):
-                    yield text
-                if chunk.choices:
-                    finish_reason = chunk.choices[0].finish_reason or finish_reason
-                    stop_reason = chunk.choices[0].stop_reason or stop_reason
+            async with aclosing(self.chat_run.chunks()) as chunks:
+                async for chunk in chunks:
+                    if not started:
+                        started = True
+                        yield _event("message_start", message=self._start())
+                    for text in self._chunk_events(chunk, blocks):
+                        yield text
+                    if chunk.choices:
+                        finish_reason = chunk.choices[0].finish_reason or finish_reason
+                        stop_reason = chunk.choices[0].stop_reason or stop_reason
         except Exception as exc:
             yield _event("error", error=_error_body(engine_error_to_openai(exc))["error"])
             return

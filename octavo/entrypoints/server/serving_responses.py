@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -418,11 +419,12 @@ class _ResponsesRun:
         items = StreamItems(events, self.request)
         finish_reason = None
         try:
-            async for chunk in self.chat_run.chunks():
-                for choice in chunk.choices:
-                    finish_reason = choice.finish_reason or finish_reason
-                    for text in items.feed(choice.delta):
-                        yield text
+            async with aclosing(self.chat_run.chunks()) as chunks:
+                async for chunk in chunks:
+                    for choice in chunk.choices:
+                        finish_reason = choice.finish_reason or finish_reason
+                        for text in items.feed(choice.delta):
+                            yield text
         except Exception as exc:
             error = engine_error_to_openai(exc)
             yield events.send("error", code=error.code, message=error.message, param=error.param)
