@@ -417,12 +417,14 @@ def test_a_client_that_leaves_a_stream_aborts_its_request() -> None:
     with mock_server(slow=True) as server:
         engine = server.async_engine.engine
         for path, body in bodies.items():
-            with httpx.Client(base_url=server.base_url, timeout=30) as http:
-                with http.stream("POST", path, json={**body, "stream": True}) as response:
-                    lines = response.iter_lines()
-                    deltas = 0
-                    while deltas < 3:
-                        deltas += "delta" in next(lines)
+            with (
+                httpx.Client(base_url=server.base_url, timeout=30) as http,
+                http.stream("POST", path, json={**body, "stream": True}) as response,
+            ):
+                lines = response.iter_lines()
+                deltas = 0
+                while deltas < 3:
+                    deltas += "delta" in next(lines)
             # Unaborted, the 100 tokens would take another ~5 s (0.05 s a step).
             deadline = time.monotonic() + 2
             while engine.has_unfinished_requests():
