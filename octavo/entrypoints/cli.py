@@ -145,6 +145,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413"
     )
     limits.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="responses /v1/responses keeps in memory (previous_response_id, GET, cancel); "
+        "the least recently used goes first; 0 stores none",
+    )
+    limits.add_argument(
         "--max-sequences-per-request",
         type=int,
         default=256,
@@ -414,6 +421,7 @@ def server_config_from(ns: argparse.Namespace):
         enable_request_id_headers=ns.enable_request_id_headers,
         max_request_body_bytes=ns.max_request_body_bytes,
         max_sequences_per_request=ns.max_sequences_per_request,
+        max_stored_responses=ns.max_stored_responses,
         header_read_timeout_s=ns.header_read_timeout,
         body_read_timeout_s=ns.body_read_timeout,
         timeout_keep_alive_s=ns.timeout_keep_alive,

@@ -19,14 +19,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octavo.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.entrypoints.server.protocol_anthropic import AnthropicMessagesRequest
+from octavo.entrypoints.server.protocol_responses import ResponsesRequest
 
 from .mock_server import mock_server
 
-ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+ENDPOINTS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+    "/v1/responses",
+    "/v1/messages",
+]
+# Endpoints that answer errors in Anthropic's shape ({"type": "error", "error": {...}}).
+ANTHROPIC = {"/v1/messages"}
 FIELDS = sorted(
     set(CompletionRequest.model_fields)
     | set(ChatCompletionRequest.model_fields)
+    | set(ResponsesRequest.model_fields)
+    | set(AnthropicMessagesRequest.model_fields)
     | {"json", "regex", "choice", "grammar", "tokens", "role", "content", "type", "function"}
+    | {"text", "call_id", "output", "arguments", "name", "input", "tool_use_id", "summary"}
 )
 
 scalars = (
@@ -49,6 +63,12 @@ VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 3},
     "/tokenize": {"prompt": "the cat"},
     "/detokenize": {"tokens": [3, 4, 5]},
+    "/v1/responses": {"input": "the cat", "max_output_tokens": 3},
+    "/v1/messages": {
+        "model": "mock",
+        "messages": [{"role": "user", "content": "the cat"}],
+        "max_tokens": 3,
+    },
 }
 
 
@@ -70,7 +90,7 @@ def fuzz_server():
 
 
 @settings(
-    max_examples=300,
+    max_examples=400,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -85,7 +105,12 @@ def test_no_body_gets_a_5xx_a_dropped_connection_or_a_traceback(fuzz_server, cas
     assert response.status_code < 500, (endpoint, body, response.text)
     if response.status_code >= 400:
         error = response.json()["error"]
-        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
+        assert isinstance(error["message"], str)
+        if endpoint in ANTHROPIC:
+            assert response.json()["type"] == "error"
+            assert error["type"] in ("invalid_request_error", "not_found_error")
+        else:
+            assert error["type"] == "invalid_request_error"
     assert response.headers.get("connection") != "close"
     assert not [r for r in caplog.records if r.exc_info], (endpoint, body)
 

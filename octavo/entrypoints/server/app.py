@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, lifespan, routes, auth, `run_server`.
 
-Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`, the operator's `/v1/kv` and
-`/v1/config` (ops_routes.py); `/tokenizer_info` when enabled;
+Owns `ServerConfig`, the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`
+(with GET `/v1/responses/{id}` and POST `/v1/responses/{id}/cancel`), `/v1/messages` (and
+`/v1/messages/count_tokens`), `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/version`,
+`/metrics`, the operator's `/v1/kv` and `/v1/config` (ops_routes.py); `/tokenizer_info` when
+enabled;
 with dev endpoints enabled, `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`; with a
 profiler configured, `/start_profile`, `/stop_profile`), the API-key check (every path but
 `/health`), opt-in CORS, the connection limits (header and body read timeouts, keep-alive, a
@@ -62,6 +64,8 @@ from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.server.serving_messages import AnthropicServingMessages
+from octavo.entrypoints.server.serving_responses import OpenAIServingResponses
 from octavo.entrypoints.server.tokenizer_info import tokenizer_info
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
@@ -145,6 +149,9 @@ class ServerConfig:
     # How the model's thinking is told from its answer (vLLM's --reasoning-parser: qwen3,
     # deepseek_r1); None: the output is all answer.
     reasoning_parser: str | None = None
+    # Responses /v1/responses keeps in memory for previous_response_id, GET and cancel: the
+    # least recently used goes first beyond this many; 0 stores none.
+    max_stored_responses: int = 1000
     # Step the engine on a thread of this process (AsyncEngine) instead of in an engine-core
     # process of its own (AsyncMPEngine, the default).
     engine_in_process: bool = False
@@ -152,6 +159,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         # A bad combination fails at start-up (ValueError), not on the first request.
         _ = self.tool_serving
+        if self.max_stored_responses < 0:
+            raise ValueError(
+                f"max_stored_responses must be at least 0, got {self.max_stored_responses}."
+            )
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
 
@@ -263,6 +274,8 @@ def build_app(
     context = serving_context(async_engine, config, executor)
     completions = OpenAIServingCompletion(context)
     chat = OpenAIServingChat(context, config.tool_serving, config.reasoning_parser)
+    responses = OpenAIServingResponses(context, chat, config.max_stored_responses)
+    messages = AnthropicServingMessages(context, chat)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -308,6 +321,27 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
         return await chat.create(raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        return await responses.create(raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+        query = raw_request.query_params
+        return responses.retrieve(response_id, query.get("stream"), query.get("starting_after"))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
+
+    @app.post("/v1/messages")
+    async def create_message(raw_request: Request) -> Response:
+        return await messages.create(raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request) -> Response:
+        return await messages.count_tokens(raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

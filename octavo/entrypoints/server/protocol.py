@@ -51,6 +51,16 @@ REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "documents": (),
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
+    # /v1/responses' own (protocol_responses.py).
+    "include": (),
+    "max_tool_calls": (),
+    "prompt": (),
+    "prompt_cache_key": (),
+    "top_logprobs": (0,),
+    "truncation": ("disabled",),
+    "enable_response_messages": (False,),
+    "previous_input_messages": (),
+    "mm_payload": ("tensors",),
 }
 
 

@@ -92,6 +92,10 @@ class _Choice:
     reasoning: ReasoningParser | None = None
     # Whether a tool call has been streamed for this choice.
     called: bool = False
+    # A second reading of the thinking, delta by delta, that counts the output tokens whose
+    # text is thinking (usage's reasoning_tokens in /v1/responses); None: no thinking.
+    counter: ReasoningParser | None = None
+    num_reasoning_tokens: int = 0
 
 
 class OpenAIServingChat:
@@ -115,11 +119,15 @@ class OpenAIServingChat:
         return await collect_body(self.context, self._prepare, body)
 
     def _prepare(self, body: bytes, arrival_time: float) -> _Run:
-        """Everything before the engine runs, in a preparation thread: decode and check the
-        body and its tools, build the sampling parameters (compiling any constraint), render
-        the conversation and tokenize it."""
+        return self.prepare_request(parse_body(body, ChatCompletionRequest), arrival_time)
+
+    def prepare_request(self, request: ChatCompletionRequest, arrival_time: float) -> _Run:
+        """Everything before the engine runs, in a preparation thread: check the request and
+        its tools, build the sampling parameters (compiling any constraint), render the
+        conversation and tokenize it. /v1/responses and /v1/messages translate their bodies
+        into a chat request and come here too, so that all three render, sample and parse
+        alike. Raises OpenAIError naming the chat field at fault."""
         context = self.context
-        request = parse_body(body, ChatCompletionRequest)
         check_model(context, request.model)
         check_priority(context, request.priority)
         check_num_sequences(context, 1, request.n)
@@ -211,6 +219,7 @@ class _Run:
             _Choice(
                 parser=None if make_parser is None else make_parser(),
                 reasoning=None if make_reasoning is None else make_reasoning(),
+                counter=None if make_reasoning is None else make_reasoning(),
             )
             for _ in range(request.n)
         ]
@@ -241,6 +250,8 @@ class _Run:
         choice.num_tokens += len(completion.token_ids)
         choice.finish_reason = completion.finish_reason
         choice.stop_reason = completion.stop_reason
+        if choice.counter is not None and choice.counter.feed(completion.text).reasoning:
+            choice.num_reasoning_tokens += len(completion.token_ids)
         if not self.request.logprobs:
             return None
         entries = _chat_logprobs(self.context, completion, self.num_top_logprobs)
@@ -293,54 +304,69 @@ class _Run:
             choices=[choice],
         )
 
-    async def stream(self) -> AsyncIterator[str]:
+    def include_usage(self) -> bool:
         options = self.request.stream_options
-        include_usage = self.context.force_include_usage or (
-            options is not None and options.include_usage
-        )
-        exclude = None if include_usage else {"usage"}
-        opened = False
+        return self.context.force_include_usage or (options is not None and options.include_usage)
+
+    async def stream(self) -> AsyncIterator[str]:
+        exclude = None if self.include_usage() else {"usage"}
         try:
-            async for completion in self._outputs():
-                if not opened:
-                    # Each choice's role delta goes out with the first output (the first token),
-                    # as vLLM sends it, so that a client's time to first chunk is the time to
-                    # the first token.
-                    opened = True
-                    for index in range(self.request.n):
-                        role = DeltaMessage(role=self.context.response_role, content="")
-                        yield sse(self._chunk(ChatStreamChoice(index=index, delta=role)), exclude)
-                entries = self._add(completion)
-                choice = self.choices[completion.index]
-                delta = _stream_delta(choice, completion)
-                finish_reason = completion.finish_reason
-                if choice.parser is not None:
-                    finish_reason = _tool_finish_reason(finish_reason, choice.called)
-                if delta is None:
-                    if finish_reason is None and not entries:
-                        continue  # nothing new for the client (text held back)
-                    delta = DeltaMessage()
-                chunk = ChatStreamChoice(
+            async with aclosing(self.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield sse(chunk, None if chunk.usage is not None else exclude)
+        except Exception as exc:
+            yield sse(engine_error_body(exc))
+        yield SSE_DONE
+
+    async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
+        """The stream's chunks in order, the usage chunk last when asked for; a failure of
+        the engine is raised (the caller frames it for its own wire format). Closing it (a
+        client gone; callers use aclosing) aborts the request within a step."""
+        opened = False
+        async for completion in self._outputs():
+            if not opened:
+                # Each choice's role delta goes out with the first output (the first token),
+                # as vLLM sends it, so that a client's time to first chunk is the time to
+                # the first token.
+                opened = True
+                for index in range(self.request.n):
+                    role = DeltaMessage(role=self.context.response_role, content="")
+                    yield self._chunk(ChatStreamChoice(index=index, delta=role))
+            entries = self._add(completion)
+            choice = self.choices[completion.index]
+            delta = _stream_delta(choice, completion)
+            finish_reason = completion.finish_reason
+            if choice.parser is not None:
+                finish_reason = _tool_finish_reason(finish_reason, choice.called)
+            if delta is None:
+                if finish_reason is None and not entries:
+                    continue  # nothing new for the client (text held back)
+                delta = DeltaMessage()
+            yield self._chunk(
+                ChatStreamChoice(
                     index=completion.index,
                     delta=delta,
                     logprobs=None if entries is None else ChatChoiceLogprobs(content=entries),
                     finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield sse(self._chunk(chunk), exclude)
-            if include_usage:
-                yield sse(
-                    ChatCompletionChunk(
-                        id=self.request_id,
-                        created=self.created,
-                        model=self.context.model_name,
-                        choices=[],
-                        usage=self._usage(),
-                    )
-                )
-        except Exception as exc:
-            yield sse(engine_error_body(exc))
-        yield SSE_DONE
+            )
+        if self.include_usage():
+            yield ChatCompletionChunk(
+                id=self.request_id,
+                created=self.created,
+                model=self.context.model_name,
+                choices=[],
+                usage=self._usage(),
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.usage.num_prompt_tokens
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(choice.num_reasoning_tokens for choice in self.choices)
 
 
 def _constraints_wait_for_the_answer(processor: Any) -> bool:

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from octavo.config import DEFAULT_MAX_LOGPROBS
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
@@ -39,9 +40,15 @@ from octavo.entrypoints.server.errors import (
     OpenAIError,
     bad_request,
     error_body,
+    from_validation_error,
     from_value_error,
 )
-from octavo.entrypoints.server.protocol import PromptLogprob, PromptTokensDetails, UsageInfo
+from octavo.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    PromptLogprob,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from octavo.entrypoints.server.request_body import check_body_size, read_body
 
 T = TypeVar("T")
@@ -117,6 +124,12 @@ async def respond(
     run or return its whole response (499 when the client has gone before it is done)."""
     body = await read_body(raw_request, context.max_request_body_bytes, context.body_read_timeout_s)
     run = await prepare(context, prepare_run, body, time.monotonic())
+    return await respond_run(context, raw_request, run)
+
+
+async def respond_run(context: ServingContext, raw_request: Request, run: Any) -> Response:
+    """The second half of `respond`, for a run already prepared: its stream (SSE) or its
+    whole response as JSON."""
     if run.request.stream:
         # The queue bounds, before the 200 goes out: a rejected stream gets a 503, not an
         # error event (the run's own submission checks again).
@@ -340,6 +353,27 @@ def engine_error_body(exc: Exception) -> dict[str, Any]:
     """The error object a stream sends as its last event before [DONE]."""
     error = engine_error_to_openai(exc)
     return error_body(error.status_code, error.message, error.param, error.code)
+
+
+def renamed(error: OpenAIError, names: Mapping[str, str]) -> OpenAIError:
+    """`error` from the chat path, its parameter the field the client used (`names`: chat
+    field -> client field), and so are the chat-only field names (those with an underscore,
+    which plain words are not) in its message."""
+    message = error.message
+    for chat_name, own_name in names.items():
+        if "_" in chat_name:
+            message = re.sub(rf"\b{chat_name}\b", own_name, message)
+    param = names.get(error.param or "", error.param)
+    return OpenAIError(error.status_code, message, param, error.code, error.headers)
+
+
+def chat_request_from(fields: dict[str, Any], names: Mapping[str, str]) -> ChatCompletionRequest:
+    """A chat request from translated fields; a field the chat request refuses is a 400
+    naming the client's field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise renamed(from_validation_error(exc), names) from None
 
 
 def new_request_id(prefix: str) -> str:
