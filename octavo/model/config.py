@@ -90,6 +90,13 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Pooling: the architecture's default pooling type where it is a pooling model (ArchSpec;
+    # None: a generation model), and Matryoshka embeddings (a request's `dimensions` may keep
+    # a prefix of the vector: any length where is_matryoshka, one of matryoshka_dimensions
+    # where the config lists them).
+    default_pooling_type: str | None = None
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -202,6 +209,7 @@ class ModelConfig:
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
             sampling_defaults=_sampling_defaults(generation_config),
             **(_moe_fields(config, spec.moe) if spec.moe else {}),
+            **_pooling_fields(config, spec.default_pooling_type),
             **_attention_fields(config, num_layers, spec.model_type),
             **_scalar_fields(config, spec.model_type, hidden_size),
         )
@@ -478,6 +486,16 @@ def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
         if kind == "qwen2"
         else 0,
         "dense_layers": tuple(i for i in range(layers) if i in only_dense or (i + 1) % step != 0),
+    }
+
+
+def _pooling_fields(config: Mapping[str, Any], default_pooling_type: str | None) -> dict[str, Any]:
+    """The pooling fields of a config.json (vLLM's is_matryoshka / matryoshka_dimensions)."""
+    dimensions = config.get("matryoshka_dimensions")
+    return {
+        "default_pooling_type": default_pooling_type,
+        "is_matryoshka": bool(dimensions) or bool(config.get("is_matryoshka", False)),
+        "matryoshka_dimensions": tuple(dimensions) if dimensions else None,
     }
 
 
