@@ -5,7 +5,10 @@ embeddings on a generation model (the session's server)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,7 +21,10 @@ import torch
 import transformers
 
 from octavo.config import EngineArgs
+from octavo.engine.async_engine import AsyncEngine
 from octavo.engine.core_client import AsyncMPEngine
+from octavo.engine.llm_engine import LLMEngine
+from octavo.entrypoints.run_batch import run_and_shut_down
 from octavo.entrypoints.server.app import ServerConfig, make_server_app
 from octavo.entrypoints.server.http_server import make_server
 
@@ -158,3 +164,26 @@ def test_embeddings_are_404_on_a_generation_model(http) -> None:
     response = http.post("/v1/embeddings", json={"input": "hello"})
     assert response.status_code == 404
     assert "Embeddings API" in response.json()["error"]["message"]
+
+
+def test_run_batch_answers_embedding_lines(tmp_path) -> None:
+    """`octavo run-batch` over a pooling model: /v1/embeddings lines answered by the server's
+    handler (the vector transformers gives), a completion line 404 as the server answers."""
+    hf = _save_bare_model(tmp_path, "qwen3")
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tmp_path), dtype="float32", kv_cache_tokens=256, block_size=4)
+    )
+    lines = [
+        json.dumps({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": [[5, 6, 7]]}}),
+        json.dumps({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "t5"}}),
+        json.dumps({"custom_id": "s", "url": "/v1/score", "body": {}}),
+    ]
+    output = io.StringIO()
+    asyncio.run(run_and_shut_down(AsyncEngine(engine), ServerConfig(), lines, output))
+    results = [json.loads(text) for text in output.getvalue().splitlines()]
+    assert [r["response"]["status_code"] for r in results] == [200, 404, 404]
+    body = results[0]["response"]["body"]
+    assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    np.testing.assert_allclose(
+        body["data"][0]["embedding"], _want(hf, [5, 6, 7]), rtol=1e-4, atol=1e-5
+    )
