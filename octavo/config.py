@@ -208,8 +208,17 @@ class SchedulerConfig:
     # flight, and prompt tokens not yet prefilled; None: no bound.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # False for an encoder: every prompt runs whole in one step (vLLM's chunked prefill off
+    # for bidirectional attention), so max_num_batched_tokens holds max_model_len.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}: an encoder runs each prompt whole in one "
+                "step (no chunked prefill); raise it or lower max_model_len."
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -955,7 +964,8 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # An encoder's hidden states depend on the whole prompt: no prefix reuse.
+                enable_prefix_caching=self.enable_prefix_caching and model_config.is_causal,
                 bytes_per_token=bytes_per_token,
                 dtype=kv_cache_dtype,
                 group_windows=group_windows,
@@ -975,6 +985,7 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
+                enable_chunked_prefill=model_config.is_causal,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,

@@ -83,6 +83,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        # Without chunked prefill (an encoder) a prompt runs whole or waits.
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -198,7 +200,10 @@ class Scheduler:
 
     def _chunk(self, num_remaining: int, plan: _StepPlan) -> int:
         """Tokens a request runs this step: what it has left, within the step's budget and,
-        where the step carries decoding streams, the long-prefill cap."""
+        where the step carries decoding streams, the long-prefill cap. Without chunked prefill
+        (an encoder): all it has left, or 0 when that does not fit the budget."""
+        if not self.enable_chunked_prefill:
+            return num_remaining if num_remaining <= plan.token_budget else 0
         threshold = self.long_prefill_token_threshold
         if plan.cap_prompts and 0 < threshold < num_remaining:
             num_remaining = threshold
@@ -249,6 +254,8 @@ class Scheduler:
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, plan)
+            if num_new_tokens == 0:
+                break  # a whole prompt that does not fit this step's budget
             candidate = AdmissionCandidate(
                 request,
                 num_new_tokens,

@@ -107,6 +107,9 @@ class ArchSpec:
     # it pools by default (LAST, MEAN, CLS), which also makes it serve embeddings unless
     # told otherwise; None: a generation model (which `--convert embed` can still pool).
     default_pooling_type: str | None = None
+    # False for an encoder (BERT): bidirectional attention, each prompt run whole in one step,
+    # no KV cache reuse across steps.
+    is_causal: bool = True
 
 
 def _one_attention_bias(config: ModelConfig) -> dict[str, Any]:
@@ -336,6 +339,18 @@ _BARE_DECODERS = {
     "Qwen2ForCausalLM": "Qwen2Model",
     "Qwen3ForCausalLM": "Qwen3Model",
 }
+SPECS += (
+    # BERT: an encoder with absolute positions and post-LN layers; pools its [CLS] token
+    # unless its sentence-transformers folder says otherwise.
+    ArchSpec(
+        name="BertModel",
+        model_type="bert",
+        model_class="octavo.model.bert:BertModel",
+        hf_config_extras=_not_written,
+        default_pooling_type="CLS",
+        is_causal=False,
+    ),
+)
 SPECS += tuple(
     dataclasses.replace(
         spec, name=_BARE_DECODERS[spec.name], gguf_name=None, default_pooling_type="LAST"

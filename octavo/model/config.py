@@ -95,6 +95,10 @@ class ModelConfig:
     # a prefix of the vector: any length where is_matryoshka, one of matryoshka_dimensions
     # where the config lists them).
     default_pooling_type: str | None = None
+    # An encoder's (BERT): attention sees the whole prompt both ways, and token types (only
+    # type 0 is used) have their own embeddings.
+    is_causal: bool = True
+    type_vocab_size: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -166,7 +170,7 @@ class ModelConfig:
         architecture = architectures[0]
         spec = get_spec(architecture)
         hidden_act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
-        if hidden_act not in SUPPORTED_ACTIVATIONS:
+        if spec.is_causal and hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"hidden_act={hidden_act!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})."
@@ -194,7 +198,8 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            # An encoder's LayerNorm eps in the same field.
+            rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -210,6 +215,8 @@ class ModelConfig:
             sampling_defaults=_sampling_defaults(generation_config),
             **(_moe_fields(config, spec.moe) if spec.moe else {}),
             **_pooling_fields(config, spec.default_pooling_type),
+            is_causal=spec.is_causal,
+            type_vocab_size=int(config.get("type_vocab_size", 0)) if not spec.is_causal else 0,
             **_attention_fields(config, num_layers, spec.model_type),
             **_scalar_fields(config, spec.model_type, hidden_size),
         )

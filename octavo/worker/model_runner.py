@@ -212,7 +212,11 @@ class ModelRunner:
         num_scored = num_sampled + sum(count for _, _, count in inputs.prompt_chunks)
         self._score_prompts(hidden_states[num_sampled:num_scored], inputs, failed)
         pooled = self._pool(hidden_states[num_scored:], inputs, failed)
-        sampled = self._sample(hidden_states[:num_sampled], inputs, scheduler_output, failed)
+        sampled = (
+            self._sample(hidden_states[:num_sampled], inputs, scheduler_output, failed)
+            if num_sampled
+            else {}
+        )
         return self._make_output(inputs, sampled, failed, pooled)
 
     # --- persistent batch -------------------------------------------------------------------
