@@ -15,6 +15,7 @@ sentence-transformers ignores them. Knows nothing of requests or scheduling.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -69,7 +70,7 @@ class BertSelfAttention(nn.Module):
         out = torch.empty_like(q)
         scale = self.head_dim**-0.5
         # Each request attends to all of its own tokens and to no other request's.
-        for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        for start, end in itertools.pairwise(query_start_loc):
             scores = (q[:, start:end] @ k[:, start:end].transpose(1, 2)) * scale
             probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
             out[:, start:end] = probs @ v[:, start:end]
