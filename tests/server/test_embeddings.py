@@ -110,7 +110,8 @@ def test_token_id_inputs_and_vllm_extras(embedder, client) -> None:
         model=MODEL, input=[[5, 6, 7], [9, 10, 11, 12, 13]], encoding_format="float"
     )
     assert len(many.data) == 2
-    np.testing.assert_allclose(many.data[0].embedding, one.data[0].embedding, rtol=1e-6)
+    # Batched with another prompt: the matmuls may take another kernel (rows), same values.
+    np.testing.assert_allclose(many.data[0].embedding, one.data[0].embedding, rtol=1e-4, atol=1e-6)
     raw = client.embeddings.create(
         model=MODEL,
         input=[[5, 6, 7, 8, 9]],
