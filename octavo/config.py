@@ -303,6 +303,9 @@ class EngineConfig:
     profiler_config: dict[str, Any] = field(default_factory=dict)
     # LOGPROBS_MODES: which numbers the sampler reports as logprobs (vLLM's --logprobs-mode).
     logprobs_mode: str = "raw_logprobs"
+    # --reasoning-parser: output constraints wait for the thinking to end (structured_output/
+    # reasoning.py); the server also splits thinking from answer by it.
+    reasoning_parser: str | None = None
     # vLLM's resolved --runner ("generate" or "pooling") and --convert ("none" or "embed");
     # a pooling engine has its pooler (None for generation).
     runner: str = "generate"
@@ -565,12 +568,24 @@ class EngineArgs:
         "min_p, top_k and top_p)",
         choices=LOGPROBS_MODES,
     )
+    reasoning_parser: str | None = setting(
+        None,
+        "how the model's thinking is told from its answer, vLLM's names: deepseek_r1 (the "
+        "output starts inside the thinking, up to </think>), qwen3 (the same, and a <tool_call> "
+        "ends it too; off for a request with chat_template_kwargs enable_thinking false). The "
+        "server sends the thinking as message.reasoning (its own stream deltas) and reads tool "
+        "calls after it; output constraints (response_format, structured_outputs, a forced "
+        "tool call) hold from the end of the thinking",
+        choices=lambda: list(_reasoning_parsers()),
+        metavar="NAME",
+    )
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
     admission: str = setting(
         "current",
         "what must be free before a request starts: current (vLLM: the next chunk), reserve "
         "(TGI: prompt + max_tokens, never evicts), ratio (SGLang: an adaptive share of "
-        "max_tokens)",
+        "max_tokens), forecast (octavo: the batch's predicted peak, from the lengths of "
+        "recent answers)",
         choices=lambda: list(_admission_policies()),
     )
     watermark: float = setting(0.0, "share of the KV pool kept free when a request is admitted")
@@ -956,6 +971,7 @@ class EngineArgs:
             served_model_names=tuple(names),
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
+            reasoning_parser=self.reasoning_parser,
             dtype=dtype,
             dtype_reason=dtype_reason,
             weight_dtype=weight_dtype,
@@ -1259,6 +1275,12 @@ def _scalar_type(hint: Any) -> type:
     """int for `int | None`, and so on: the type a flag parses its value to."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+def _reasoning_parsers() -> dict[str, Any]:
+    from octavo.structured_output.reasoning import REASONING_MARKERS
+
+    return REASONING_MARKERS
 
 
 def _admission_policies() -> dict[str, Any]:

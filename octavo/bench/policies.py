@@ -20,6 +20,7 @@ Must not: load a model or torch here, or reach into the engine: only `core` and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -46,7 +47,8 @@ class TraceConfig:
     request_rate: float = 6.0  # requests per simulated second, Poisson
     system_prompt_len: int = 64  # shared by every prompt (prefix caching sees it)
     mean_prompt_len: int = 384  # user part: uniform in [mean / 2, 3 * mean / 2]
-    median_answer_len: int = 200  # lognormal, sigma 1: mean ~1.65x, p99 ~10x the median
+    median_answer_len: int = 200  # lognormal: with sigma 1, mean ~1.65x and p99 ~10x the median
+    answer_sigma: float = 1.0
     max_tokens: int = 2048  # what every client sends
     seed: int = 0
 
@@ -84,7 +86,9 @@ def make_trace(config: TraceConfig) -> list[TraceRequest]:
         arrival_s += rng.expovariate(config.request_rate)
         num_user = rng.randint(config.mean_prompt_len // 2, 3 * config.mean_prompt_len // 2)
         prompt = system + [rng.randrange(1000, 30000) for _ in range(num_user)]
-        answer_len = min(max(int(rng.lognormvariate(mu, 1.0)), 1), config.max_tokens)
+        answer_len = min(
+            max(int(rng.lognormvariate(mu, config.answer_sigma)), 1), config.max_tokens
+        )
         trace.append(TraceRequest(str(idx), arrival_s, prompt, answer_len, config.max_tokens))
     return trace
 
@@ -127,6 +131,7 @@ class PolicyResult:
     median_freeze_s: float | None
     p99_freeze_s: float | None
     median_ttft_s: float
+    p99_ttft_s: float
     redone_prefill_share: float
     elapsed_s: float
     num_steps: int
@@ -199,6 +204,7 @@ def run_policy(
         median_freeze_s=quantile(freezes_s, 0.5),
         p99_freeze_s=quantile(freezes_s, 0.99),
         median_ttft_s=quantile(ttfts, 0.5) or 0.0,
+        p99_ttft_s=quantile(ttfts, 0.99) or 0.0,
         redone_prefill_share=executor.num_redone_tokens / max(executor.num_prefill_tokens, 1),
         elapsed_s=elapsed_s,
         num_steps=num_steps,
@@ -214,44 +220,125 @@ def _make_request(item: TraceRequest) -> Request:
 
 # --- the command ------------------------------------------------------------------------------
 
+# `--trace` presets. long-answer: long-tailed answers under a generous max_tokens, the case
+# where admitting against max_tokens wastes the pool. chat: shorter prompts and answers
+# arriving faster, with a tighter spread.
+TRACES: dict[str, TraceConfig] = {
+    "long-answer": TraceConfig(),
+    "chat": TraceConfig(
+        num_requests=600,
+        request_rate=24.0,
+        system_prompt_len=128,
+        mean_prompt_len=128,
+        median_answer_len=100,
+        answer_sigma=0.7,
+        max_tokens=1024,
+    ),
+}
+_TRACE_FIELDS = (
+    "num_requests",
+    "request_rate",
+    "mean_prompt_len",
+    "median_answer_len",
+    "answer_sigma",
+    "max_tokens",
+)
+
+
+def median_result(results: list[PolicyResult]) -> PolicyResult:
+    """Each field's median over runs of one policy on different seeds (a freeze of a run that
+    evicted nothing counts as 0 s)."""
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+    fields = {}
+    for name in PolicyResult.__dataclass_fields__:
+        values = [getattr(r, name) for r in results]
+        if name == "policy":
+            fields[name] = values[0]
+        elif name.endswith("freeze_s"):
+            fields[name] = (
+                None if all(v is None for v in values) else median([v or 0.0 for v in values])
+            )
+        else:
+            fields[name] = type(values[0])(median(values))
+    return PolicyResult(**fields)
+
 
 def format_table(results: list[PolicyResult]) -> str:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     header = (
-        f"{'policy':<8} {'output tok/s':>12} {'evicted':>8} {'freeze p50 s':>12} "
-        f"{'freeze p99 s':>12} {'TTFT p50 s':>10} {'redone prefill':>14} "
+        f"{'policy':<8} {'output tok/s':>12} {'TTFT p50 s':>10} {'TTFT p99 s':>10} "
+        f"{'evicted':>8} {'freeze p50 s':>12} {'freeze p99 s':>12} {'redone prefill':>14} "
         f"{'preemptions':>11}"
     )
     rows = [header]
     for r in results:
         rows.append(
-            f"{r.policy:<8} {r.output_tokens_per_s:>12.1f} {r.evicted_share:>8.1%} "
-            f"{seconds(r.median_freeze_s):>12} {seconds(r.p99_freeze_s):>12} "
-            f"{r.median_ttft_s:>10.2f} {r.redone_prefill_share:>14.1%} {r.num_preemptions:>11}"
+            f"{r.policy:<8} {r.output_tokens_per_s:>12.1f} {r.median_ttft_s:>10.2f} "
+            f"{r.p99_ttft_s:>10.2f} {r.evicted_share:>8.1%} {seconds(r.median_freeze_s):>12} "
+            f"{seconds(r.p99_freeze_s):>12} {r.redone_prefill_share:>14.1%} "
+            f"{r.num_preemptions:>11}"
         )
     return "\n".join(rows)
 
 
+def format_against_current(results: list[PolicyResult]) -> str:
+    """Each policy over `current` in the terms of forecast's goal: throughput (want >= 0.95),
+    p99 freeze and evicted share (want <= 0.25 each)."""
+    base = next((r for r in results if r.policy == "current"), None)
+    if base is None:
+        return ""
+
+    def ratio(value: float | None, reference: float | None) -> str:
+        if not reference:
+            return "-"
+        return f"{(value or 0.0) / reference:.3f}"
+
+    rows = [f"{'vs current':<10} {'throughput':>10} {'freeze p99':>10} {'evicted':>8}"]
+    for r in results:
+        if r is not base:
+            rows.append(
+                f"{r.policy:<10} {ratio(r.output_tokens_per_s, base.output_tokens_per_s):>10} "
+                f"{ratio(r.p99_freeze_s, base.p99_freeze_s):>10} "
+                f"{ratio(r.evicted_share, base.evicted_share):>8}"
+            )
+    return "\n".join(rows)
+
+
 def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
-    defaults = TraceConfig()
-    parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
     parser.add_argument(
-        "--request-rate",
-        type=float,
-        default=defaults.request_rate,
-        help="Poisson arrivals per simulated second",
+        "--trace",
+        choices=list(TRACES),
+        default="long-answer",
+        help="the trace preset; the options below override its fields",
     )
-    parser.add_argument("--mean-prompt-len", type=int, default=defaults.mean_prompt_len)
-    parser.add_argument("--median-answer-len", type=int, default=defaults.median_answer_len)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals per simulated second"
+    )
+    parser.add_argument("--mean-prompt-len", type=int, default=None)
+    parser.add_argument("--median-answer-len", type=int, default=None)
+    parser.add_argument("--answer-sigma", type=float, default=None, help="lognormal sigma")
+    parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--watermark", type=float, default=0.0)
-    parser.add_argument("--dataset-seed", type=int, default=defaults.seed)
+    parser.add_argument("--dataset-seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="replay this many traces (seeds dataset-seed, +1, ...) and print each column's "
+        "median over them",
+    )
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument(
         "--on-model",
@@ -268,16 +355,16 @@ def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_policies_bench(ns: argparse.Namespace) -> int:
-    trace_config = TraceConfig(
-        num_requests=ns.num_requests,
-        request_rate=ns.request_rate,
-        mean_prompt_len=ns.mean_prompt_len,
-        median_answer_len=ns.median_answer_len,
-        max_tokens=ns.max_tokens,
-        seed=ns.dataset_seed,
-    )
-    trace = make_trace(trace_config)
-    max_model_len = max(len(t.prompt_token_ids) + t.max_tokens for t in trace)
+    overrides = {f: getattr(ns, f) for f in _TRACE_FIELDS if getattr(ns, f) is not None}
+    trace_config = dataclasses.replace(TRACES[ns.trace], seed=ns.dataset_seed, **overrides)
+    if ns.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {ns.seeds}.")
+    traces = [
+        make_trace(dataclasses.replace(trace_config, seed=ns.dataset_seed + i))
+        for i in range(ns.seeds)
+    ]
+    trace = traces[0]
+    max_model_len = max(len(t.prompt_token_ids) + t.max_tokens for tr in traces for t in tr)
     cache_config = CacheConfig(ns.block_size, -(-ns.kv_cache_tokens // ns.block_size))
     if max_model_len > cache_config.num_tokens:
         raise ValueError(
@@ -294,7 +381,9 @@ def run_policies_bench(ns: argparse.Namespace) -> int:
         "config:",
         json.dumps(
             {
-                "trace": asdict(trace_config),
+                "trace": ns.trace,
+                "trace_config": asdict(trace_config),
+                "seeds": ns.seeds,
                 "cost_model": asdict(cost),
                 "kv_cache_tokens": cache_config.num_tokens,
                 "block_size": ns.block_size,
@@ -306,14 +395,23 @@ def run_policies_bench(ns: argparse.Namespace) -> int:
     )
     answers = sorted(t.answer_len for t in trace)
     print(
-        f"trace: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; answer "
-        f"tokens median {answers[len(answers) // 2]}, max {answers[-1]}; times below are "
-        "simulated seconds"
+        f"trace {ns.trace}: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; "
+        f"answer tokens median {answers[len(answers) // 2]}, max {answers[-1]}"
+        + (
+            f" (seed {ns.dataset_seed}; medians over {ns.seeds} seeds below)"
+            if ns.seeds > 1
+            else ""
+        )
+        + "; times are simulated seconds"
     )
     results = [
-        run_policy(trace, policy, cache_config, scheduler_config, cost) for policy in ns.policies
+        median_result([run_policy(t, policy, cache_config, scheduler_config, cost) for t in traces])
+        for policy in ns.policies
     ]
     print(format_table(results))
+    against = format_against_current(results)
+    if against:
+        print(against)
     print(json.dumps({"policies": [asdict(r) for r in results]}))
     return 0
 
@@ -344,5 +442,8 @@ def _run_on_model(
     )
     results = [run_policy_on_model(trace, policy, engine_args) for policy in ns.policies]
     print(format_table(results))
+    against = format_against_current(results)
+    if against:
+        print(against)
     print(json.dumps({"policies": [asdict(r) for r in results]}))
     return 0

@@ -97,6 +97,7 @@ def run_policy_on_model(
         median_freeze_s=quantile(collector.freezes_s, 0.5),
         p99_freeze_s=quantile(collector.freezes_s, 0.99),
         median_ttft_s=quantile(collector.ttfts_s, 0.5) or 0.0,
+        p99_ttft_s=quantile(collector.ttfts_s, 0.99) or 0.0,
         redone_prefill_share=max(num_computed - num_first_computed, 0) / max(num_computed, 1),
         elapsed_s=elapsed_s,
         num_steps=num_steps,

@@ -7,8 +7,8 @@ scheduler keeps the mechanics that every policy shares (the blocks for the next 
 free; preemption frees blocks and sends the victim back to the front of the waiting queue; a
 step that preempted admits nothing).
 
-Three policies, one per deployment (`--admission`), each a known server's answer to "how much
-KV must be free for an answer nobody has written yet":
+Four policies, one per deployment (`--admission`): three known servers' answers to "how much
+KV must be free for an answer nobody has written yet", and one of octavo's own:
 
 - `current` (vLLM): only the next chunk's blocks, plus a watermark. Full pool, but a running
   request that finds no block evicts the newest one, which recomputes later.
@@ -16,6 +16,9 @@ KV must be free for an answer nobody has written yet":
   price is queueing (time to first token) and idle capacity when answers end early.
 - `ratio` (SGLang): each running request's clipped remaining answer x a ratio that learns from
   evictions. Victim: the request with the least output (it loses the least work).
+- `forecast` (octavo): the batch's predicted peak, from answer lengths learned online (see
+  ForecastPolicy), must fit; an evicted request is readmitted ahead of new ones as soon as
+  its blocks are free, and the victim is the one whose eviction a client notices least.
 
 Every policy also keeps `watermark` of the pool free at admission, and takes a victim rule
 that `--preempt-victim` may override. Under `--scheduling-policy priority` every policy takes
@@ -29,7 +32,9 @@ Must not: import torch, measure time, or touch anything above `core`.
 from __future__ import annotations
 
 import abc
+import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -312,11 +317,200 @@ class RatioPolicy(AdmissionPolicy):
         return min(max(num_used / num_max_tokens, self.min_ratio), 1.0)
 
 
+# --- forecast: admit against the predicted peak, learned from ended requests -------------------
+
+
+class AnswerLengths:
+    """The output lengths of the last `window` requests that ended (finished or aborted),
+    kept sorted, for quantiles of how much longer a running request will go on."""
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}.")
+        self.window = window
+        self._order: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def add(self, num_output_tokens: int) -> None:
+        self._order.append(num_output_tokens)
+        bisect.insort(self._sorted, num_output_tokens)
+        if len(self._order) > self.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self._order.popleft())]
+
+    def remaining(self, num_output_tokens: int, q: float) -> int | None:
+        """The q-quantile of (length - num_output_tokens) over the ended requests that went
+        beyond num_output_tokens; None if none did."""
+        first = bisect.bisect_right(self._sorted, num_output_tokens)
+        num_longer = len(self._sorted) - first
+        if num_longer == 0:
+            return None
+        return self._sorted[first + max(math.ceil(q * num_longer), 1) - 1] - num_output_tokens
+
+
+class ForecastPolicy(AdmissionPolicy):
+    """octavo's own rule: admit when the KV the batch is *predicted* to need at its peak fits,
+    with the prediction learned from how long answers really were.
+
+    Why: `current` fills the pool with prompts and pays with evictions once answers grow;
+    `reserve` and `ratio` charge every request for an answer as long as max_tokens (or a
+    share of it), which clients set far above what answers use, so the pool sits idle.
+    Neither looks at the two facts the scheduler can know: the lengths of the answers that
+    ended recently, and that requests end at different times and give their blocks back.
+
+    - Each running request's remaining answer is the q-quantile of (length - output so far)
+      over the last `window` ended requests that got further than it (heavy tails make a
+      request that is already long likely to go on), capped by its own max_tokens. One that
+      is longer than every ended request is expected to double (as long again as it is).
+      Until `min_samples` requests have ended, answers are taken as max_tokens x
+      `cold_ratio`.
+    - The forecast is a schedule, not a sum: every running request (and the candidate) grows
+      by a token per step until its predicted end, then frees its blocks. The peak of that
+      schedule, over the moments just before each predicted end, must fit in the free blocks
+      (less the watermark). Counting blocks still to grow keeps shared prefixes counted once.
+    - q adapts: each step that evicts raises it by `q_step` (towards 1: predict longer answers),
+      each `q_decay_steps` steps without an eviction while requests run lower it by one step,
+      never below `q_min`.
+    - When a request must still be evicted, the victim is the one whose eviction costs its
+      client least (`least_harm_victim`): a request whose stream has shown nothing yet (no
+      output) first, else the one with the fewest tokens to recompute.
+    """
+
+    def __init__(
+        self,
+        watermark: float = 0.0,
+        victim: VictimRule | None = None,
+        q_min: float = 0.5,
+        q_step: float = 0.1,
+        q_decay_steps: int = 200,
+        window: int = 1000,
+        min_samples: int = 16,
+        cold_ratio: float = 0.7,
+        readmit_evicted: bool = True,
+    ) -> None:
+        _check_watermark(watermark)
+        if not 0.0 < q_min <= 1.0:
+            raise ValueError(f"q_min must be in (0, 1], got {q_min}.")
+        self.watermark = watermark
+        self.victim = victim if victim is not None else least_harm_victim
+        self.q_min = q_min
+        self.q = q_min
+        self.q_step = q_step
+        self.q_decay_steps = q_decay_steps
+        self.min_samples = min_samples
+        self.cold_ratio = cold_ratio
+        self.readmit_evicted = readmit_evicted
+        self.lengths = AnswerLengths(window)
+        self._steps_without_eviction = 0
+        # The requests running at the last observed step, to see which have ended since.
+        self._watched: dict[str, Request] = {}
+
+    def predicted_remaining(self, request: Request) -> int:
+        """Output tokens the request is expected to write from now on."""
+        num_left = _remaining_answer(request)
+        if len(self.lengths) < self.min_samples:
+            return math.ceil(num_left * self.cold_ratio)
+        num_output = request.num_output_tokens
+        remaining = self.lengths.remaining(num_output, self.q)
+        if remaining is None:
+            remaining = max(num_output, 1)
+        return min(remaining, num_left)
+
+    def can_admit(
+        self,
+        candidate: AdmissionCandidate,
+        running: list[Request],
+        kv_cache_manager: KVCacheManager,
+    ) -> bool:
+        if not running or (self.readmit_evicted and candidate.request.num_preemptions):
+            return True
+        kv = kv_cache_manager
+        bs = kv.block_size
+        # (remaining answer, blocks held now, tokens known now) per request, the candidate's
+        # hit blocks counted as held (shared ones) or to take (free ones, in the free queue).
+        schedule = [
+            (
+                self.predicted_remaining(r),
+                kv.num_held_blocks(r.request_id) / kv.num_groups,
+                r.num_tokens,
+            )
+            for r in running
+        ]
+        request = candidate.request
+        num_hit_blocks = candidate.num_hit_tokens // bs
+        schedule.append(
+            (
+                self.predicted_remaining(request),
+                num_hit_blocks - candidate.num_free_hit_blocks / kv.num_groups,
+                request.num_tokens,
+            )
+        )
+        available = (kv.num_free_blocks - _watermark_blocks(self.watermark, kv)) / kv.num_groups
+        return _forecast_peak_blocks(schedule, bs) <= available
+
+    def select_victim(self, running: list[Request]) -> Request:
+        return self.victim(running)
+
+    def observe_step(self, running: list[Request], num_preempted: int) -> None:
+        for request in self._watched.values():
+            if request.is_finished and request.num_output_tokens > 0:
+                self.lengths.add(request.num_output_tokens)
+        self._watched = {r.request_id: r for r in running}
+        if num_preempted:
+            self.q = min(self.q + self.q_step, 1.0)
+            self._steps_without_eviction = 0
+        elif running:
+            self._steps_without_eviction += 1
+            if self._steps_without_eviction >= self.q_decay_steps:
+                self.q = max(self.q - self.q_step, self.q_min)
+                self._steps_without_eviction = 0
+
+
+def _forecast_peak_blocks(schedule: list[tuple[int, float, int]], block_size: int) -> float:
+    """The most blocks, beyond those held now, that `schedule` (remaining tokens, blocks held,
+    tokens known, per request) takes from the free pool at once, if every request grows a
+    token per step and gives back all it holds when it ends.
+
+    At T tokens from now, a request still alive has taken (tokens + T) / block_size - held
+    blocks and one that ended has given back its held ones; the peak is reached just before
+    one of the ends, so T runs over the remainings. Approximations, both small: blocks are
+    fractional (at most one partial block per request), and a prefix block shared by several
+    requests is counted as given back by each of them.
+    """
+    schedule = sorted(schedule)
+    num_alive = len(schedule)
+    # Alive requests' (tokens / block_size - held), summed over the suffix still alive.
+    alive_offset = sum(tokens / block_size - held for _, held, tokens in schedule)
+    returned = 0.0
+    peak = 0.0
+    for remaining, held, tokens in schedule:
+        growth = alive_offset + num_alive * remaining / block_size
+        peak = max(peak, growth - returned)
+        # This request ends at `remaining`: it stops growing and gives back all it holds.
+        alive_offset -= tokens / block_size - held
+        num_alive -= 1
+        returned += held
+    return peak
+
+
+def least_harm_victim(running: list[Request]) -> Request:
+    """The eviction a client notices least: among requests with no output yet (nothing
+    streamed, only a later first token), the newest; else the request with the fewest tokens
+    to recompute (the shortest freeze), the newest among equals."""
+    silent = [r for r in running if r.num_output_tokens == 0]
+    if silent:
+        return silent[-1]
+    return min(reversed(running), key=lambda r: r.num_tokens)
+
+
 # `--admission` name -> policy: the one list of them (settings, CLI and benchmarks read it).
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     "current": CurrentPolicy,
     "reserve": ReservePolicy,
     "ratio": RatioPolicy,
+    "forecast": ForecastPolicy,
 }
 
 

@@ -118,7 +118,10 @@ class EngineCore:
         self.model_runner = model_runner
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.structured_output = StructuredOutputManager(
-            tokenizer, model_runner.vocab_size, eos_token_ids
+            tokenizer,
+            model_runner.vocab_size,
+            eos_token_ids,
+            reasoning_parser=config.reasoning_parser,
         )
         self.stats_tracker = RequestStatsTracker()
         # What sleep released and wake_up has not restored yet (WAKE_UP_TAGS); empty: awake.
@@ -135,7 +138,9 @@ class EngineCore:
         grammar = (
             None
             if params.structured_outputs is None
-            else self.structured_output.grammar_for(params.structured_outputs)
+            else self.structured_output.grammar_for(
+                params.structured_outputs, request.prompt_token_ids
+            )
         )
         self.scheduler.add_request(
             Request(

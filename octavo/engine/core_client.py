@@ -182,7 +182,12 @@ class MPEngine:
 
         self.tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
         # Validation only (the cores compile their own grammars for the steps).
-        structured = StructuredOutputManager(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        structured = StructuredOutputManager(
+            self.tokenizer,
+            info.vocab_size,
+            info.eos_token_ids,
+            reasoning_parser=self.config.reasoning_parser,
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.config.scheduler.max_model_len,

@@ -254,16 +254,6 @@ def add_serving_args(group: argparse._ArgumentGroup) -> None:
         "needs --tool-call-parser",
     )
     group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="how the model's thinking is told from its answer on /v1/chat/completions "
-        "(message.reasoning, its own stream deltas; tool calls are read after it), vLLM's "
-        "names: deepseek_r1 (the output starts inside the thinking, up to </think>), qwen3 "
-        "(the same, and a <tool_call> ends it too; off for a request with "
-        "chat_template_kwargs enable_thinking false)",
-    )
-    group.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action=argparse.BooleanOptionalAction,
         default=False,

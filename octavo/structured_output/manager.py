@@ -5,10 +5,11 @@ The engine's one handle on structured outputs:
    grammar is compiled there and refused (ValueError naming `structured_outputs`) when it is
    invalid or cannot be followed (no output satisfies it, or the library gives up on it), so
    a constraint is either followed or the request is refused before it is queued.
-2) `grammar_for(params)` at admission (engine thread): a per-request GuidanceGrammar over the
-   compilation validate() made, or, for params that skipped it, one run in a background
-   thread; requests with the same `params.key` share one compilation (an LRU cache of
-   `max_cached_grammars` entries).
+2) `grammar_for(params, prompt_token_ids)` at admission (engine thread): a per-request
+   GuidanceGrammar over the compilation validate() made, or, for params that skipped it, one
+   run in a background thread; requests with the same `params.key` share one compilation (an
+   LRU cache of `max_cached_grammars` entries). Under a reasoning parser it is gated until the
+   thinking ends (structured_output/reasoning.py).
 3) `grammar_bitmask(grammars)` each step (engine thread): one int32 token-mask row per
    structured request that samples this step.
 
@@ -35,6 +36,7 @@ from octavo.core.request import RequestGrammar
 from octavo.core.sampling_params import StructuredOutputsParams
 from octavo.structured_output.backend import GuidanceBackend
 from octavo.structured_output.grammar import GuidanceGrammar
+from octavo.structured_output.reasoning import ReasoningGate, ThinkingGatedGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,12 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_cached_grammars: int = DEFAULT_MAX_CACHED_GRAMMARS,
+        reasoning_parser: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # With a reasoning parser whose markers are tokens: constraints wait for the thinking
+        # to end (grammar_for's prompt_token_ids). None: no parser, or it cannot be done.
+        self.reasoning_gate = ReasoningGate.for_tokenizer(reasoning_parser, tokenizer)
         self._vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
         self.max_cached_grammars = max_cached_grammars
@@ -115,9 +121,19 @@ class StructuredOutputManager:
 
     # --- admission --------------------------------------------------------------------------
 
-    def grammar_for(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+    def grammar_for(
+        self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()
+    ) -> GuidanceGrammar | ThinkingGatedGrammar:
         """A new request's grammar: not ready until its compilation (shared by every request
-        with the same key, and cached) has finished in the background."""
+        with the same key, and cached) has finished in the background. With a reasoning gate
+        and a prompt that leaves the model thinking, it holds from the end of the thinking."""
+        grammar = self._grammar_for(params)
+        gate = self.reasoning_gate
+        if gate is not None and gate.is_thinking_after(prompt_token_ids):
+            return gate.gate(grammar)
+        return grammar
+
+    def _grammar_for(self, params: StructuredOutputsParams) -> GuidanceGrammar:
         key = _cache_key(params)
         with self._lock:
             compiled = self._compiled.get(key)
@@ -164,11 +180,17 @@ class StructuredOutputManager:
         Every grammar must be ready (the scheduler admits only those)."""
         start = time.perf_counter()
         matchers = []
-        for grammar in grammars:
+        thinking_rows = []
+        for row, grammar in enumerate(grammars):
+            if isinstance(grammar, ThinkingGatedGrammar):
+                if grammar.thinking:
+                    thinking_rows.append(row)
+                grammar = grammar.grammar  # its matcher fills the row, allowed or not
             if not isinstance(grammar, GuidanceGrammar):
                 raise TypeError(f"not a grammar of this manager: {grammar!r}")
             matchers.append(grammar.matcher)
         bitmask = self.backend.fill_bitmask(matchers)
+        bitmask[thinking_rows] = -1  # every token allowed while the model thinks
         self.bitmask_seconds += time.perf_counter() - start
         return bitmask
 

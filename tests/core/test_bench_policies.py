@@ -4,6 +4,7 @@ the executor counts redone prefill work."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from octavo.bench.policies import (
@@ -27,11 +28,11 @@ def test_policies_on_a_small_trace() -> None:
     scheduler_config = SchedulerConfig(64, 2048, max_model_len)
     results = {
         policy: run_policy(trace, policy, cache, scheduler_config, CostModel())
-        for policy in ("current", "reserve", "ratio")
+        for policy in ("current", "reserve", "ratio", "forecast")
     }
     for result in results.values():
         assert result.num_output_tokens == sum(t.answer_len for t in trace)
-        assert 0 < result.median_ttft_s < result.elapsed_s
+        assert 0 < result.median_ttft_s <= result.p99_ttft_s < result.elapsed_s
     current, reserve = results["current"], results["reserve"]
     assert current.num_preemptions > 0 and current.evicted_share > 0
     assert current.median_freeze_s > 0 and current.p99_freeze_s >= current.median_freeze_s
@@ -93,3 +94,29 @@ def test_cli_prints_a_row_per_policy_and_a_json_line(capsys) -> None:
     result = json.loads(out[-1])
     assert [p["policy"] for p in result["policies"]] == ["current", "reserve"]
     assert result["policies"][1]["num_preemptions"] == 0
+
+
+def test_cli_trace_preset_seeds_and_the_comparison_with_current(capsys) -> None:
+    argv = ["bench", "policies", "--trace", "chat", "--num-requests", "40", "--seeds", "3"]
+    assert main([*argv, "--policies", "current", "forecast"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    config = json.loads(out[0].removeprefix("config: "))
+    assert config["trace"] == "chat" and config["seeds"] == 3
+    assert config["trace_config"]["max_tokens"] == 1024  # the preset's
+    assert config["trace_config"]["num_requests"] == 40  # the override
+    assert "medians over 3 seeds" in out[1]
+    assert out[5].split()[:2] == ["vs", "current"] and out[6].split()[0] == "forecast"
+    medians = json.loads(out[-1])["policies"]
+    # Each column is the median of the three runs.
+    trace_config = TraceConfig(**{**config["trace_config"], "seed": 0})
+    cache = CacheConfig(16, 1024)
+    runs = []
+    for seed in range(3):
+        trace = make_trace(dataclasses.replace(trace_config, seed=seed))
+        max_model_len = max(len(t.prompt_token_ids) + t.max_tokens for t in trace)
+        runs.append(
+            run_policy(
+                trace, "current", cache, SchedulerConfig(64, 2048, max_model_len), CostModel()
+            )
+        )
+    assert medians[0]["output_tokens_per_s"] == sorted(r.output_tokens_per_s for r in runs)[1]

@@ -25,8 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from octavo.structured_output.reasoning import REASONING_MARKERS, THINK_END, THINK_START
 
 
 @dataclass(slots=True)
@@ -139,6 +138,7 @@ _PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
+assert set(_PARSERS) == set(REASONING_MARKERS), "one list of parser names"
 # Parsers a request turns off with `chat_template_kwargs: {"enable_thinking": false}`.
 _SWITCHABLE = {"qwen3"}
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -129,7 +130,8 @@ class OpenAIServingChat:
             **(request.chat_template_kwargs or {}),
         }
         make_reasoning = reasoning_parser_for(self.reasoning_parser, template_kwargs)
-        if make_reasoning is not None:
+        processor = context.async_engine.engine.input_processor
+        if make_reasoning is not None and not _constraints_wait_for_the_answer(processor):
             _check_unconstrained(request, tool_setup.structured_outputs is not None)
         render = chat_render_from(request, tool_setup.tools, context)
         rename = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -153,7 +155,6 @@ class OpenAIServingChat:
                 )
             params.structured_outputs = tool_setup.structured_outputs
             rename["structured_outputs"] = "tools"  # a tool schema the grammar cannot take
-        processor = context.async_engine.engine.input_processor
         processed, params = process_prompt(
             context,
             lambda: render(processor, processor.prompt_limit(params)),
@@ -314,11 +315,18 @@ class _Run:
         yield SSE_DONE
 
 
+def _constraints_wait_for_the_answer(processor: Any) -> bool:
+    """Whether the engine holds output constraints back until the thinking ends: it does when
+    the model's tokenizer has the reasoning parser's markers as tokens (a reasoning gate)."""
+    structured = getattr(processor, "structured_output", None)
+    return getattr(structured, "reasoning_gate", None) is not None
+
+
 def _check_unconstrained(request: ChatCompletionRequest, by_tool_choice: bool) -> None:
-    """For a request whose output is read as thinking and answer: an output constraint would
-    hold from the first token on, thinking included (octavo does not hold it back until the
-    thinking ends, as vLLM can), so it is a 400 naming the field, never a silently wrong
-    split. Checked before the constraint is compiled."""
+    """For a request whose output is read as thinking and answer, on a model whose tokenizer
+    has no single-token thinking markers: the engine cannot tell where the thinking ends, so
+    a constraint would hold from the first token on, thinking included. A 400 naming the
+    field, never a silently wrong split. Checked before the constraint is compiled."""
     if by_tool_choice:
         param = "tool_choice"
     elif request.response_format is not None and request.response_format.type != "text":
@@ -329,9 +337,10 @@ def _check_unconstrained(request: ChatCompletionRequest, by_tool_choice: bool) -
         return
     raise bad_request(
         f"{param} constrains the output, which this server (--reasoning-parser) reads as "
-        "thinking and answer; a constraint over the thinking is not supported. Turn the "
-        "thinking off (for qwen3: chat_template_kwargs enable_thinking false) or drop the "
-        "constraint.",
+        "thinking and answer, and this model's tokenizer has no <think> and </think> tokens "
+        "to tell where the thinking ends; a constraint over the thinking is not supported. "
+        "Turn the thinking off (for qwen3: chat_template_kwargs enable_thinking false) or drop "
+        "the constraint.",
         param,
     )
 
