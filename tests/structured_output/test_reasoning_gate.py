@@ -79,7 +79,7 @@ def test_mask_rows_allow_everything_until_the_end_of_thinking(thinking_tokenizer
     gated = manager.grammar_for(params, [10, 11])
     plain = manager.grammar_for(params, [10, end, 11])
     assert isinstance(gated, ThinkingGatedGrammar) and not isinstance(plain, ThinkingGatedGrammar)
-    assert gated.is_ready() or gated.grammar._compiled.result(timeout=30) and gated.is_ready()
+    assert gated.is_ready() or (gated.grammar._compiled.result(timeout=30) and gated.is_ready())
     assert plain.is_ready()
     thinking_row, constrained_row = manager.grammar_bitmask([gated, plain])
     assert (thinking_row == -1).all()
