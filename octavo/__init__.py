@@ -6,17 +6,30 @@ octavo.engine.async_llm_engine), so that vLLM code runs with `vllm` replaced by 
 """
 
 from octavo.config import AsyncEngineArgs, EngineArgs
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.inputs import PromptType, TextPrompt, TokensPrompt
-from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 
 __all__ = [
     "LLM",
     "AsyncEngineArgs",
     "AsyncLLMEngine",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "PromptType",
     "RequestOutput",
     "SamplingParams",

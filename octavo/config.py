@@ -97,7 +97,51 @@ GENERATION_DEFAULT_FIELDS = {
 }
 
 
+# vLLM's --runner and --convert values octavo runs: a generation model, or a pooling model
+# (embeddings), either natively (BertModel, LlamaModel, ...) or converted from a causal LM
+# (`--convert embed`: its final-norm hidden states pooled instead of its logits).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+# vLLM's sequence pooling types: the last prompt token's hidden state, the mean over the
+# prompt's, the first token's.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# --pooler-config keys (vLLM's PoolerConfig) octavo takes, and those it refuses at any value
+# but their default (they belong to tasks octavo does not run).
+POOLER_CONFIG_KEYS = ("pooling_type", "seq_pooling_type", "use_activation", "dimensions")
+POOLER_CONFIG_REFUSED = {
+    "task": (None, "embed"),
+    "tok_pooling_type": (None,),
+    "enable_chunked_processing": (None, False),
+    "max_embed_len": (None,),
+    "logit_mean": (None,),
+    "logit_sigma": (None,),
+    "step_tag_id": (None,),
+    "returned_token_ids": (None,),
+    "enable_flash_late_interaction": (None, True),
+}
+
+
 # --------------------------------------------------------------------------- resolved configs
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's final-norm hidden states into one vector."""
+
+    # POOLING_TYPES
+    pooling_type: str
+    # L2-normalize by default (a request's use_activation overrides it).
+    use_activation: bool = True
+    # The dimensions a request keeps by default (None: all).
+    dimensions: int | None = None
+    # Where the pooling type came from: user, sentence_transformers or model_default.
+    source: str = "model_default"
+    # The pooled vector's length (the model's hidden size), and the Matryoshka prefixes a
+    # request's `dimensions` may keep (any length where is_matryoshka; only those listed where
+    # the model lists them).
+    embedding_size: int = 0
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,8 +211,17 @@ class SchedulerConfig:
     # octavo's wait bound (--max-queue-wait): the longest predicted time to first token a
     # request is admitted with (engine/step_rates.py predicts it); None: no bound.
     max_queue_wait_s: float | None = None
+    # False for an encoder: every prompt runs whole in one step (vLLM's chunked prefill off
+    # for bidirectional attention), so max_num_batched_tokens holds max_model_len.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}: an encoder runs each prompt whole in one "
+                "step (no chunked prefill); raise it or lower max_model_len."
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -257,6 +310,15 @@ class EngineConfig:
     # --reasoning-parser: output constraints wait for the thinking to end (structured_output/
     # reasoning.py); the server also splits thinking from answer by it.
     reasoning_parser: str | None = None
+    # vLLM's resolved --runner ("generate" or "pooling") and --convert ("none" or "embed");
+    # a pooling engine has its pooler (None for generation).
+    runner: str = "generate"
+    convert: str = "none"
+    pooler: PoolerConfig | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def tokenizer_path(self) -> str:
@@ -646,6 +708,27 @@ class EngineArgs:
         parse=json_object_flag("profiler_config"),
         metavar="JSON",
     )
+    runner: str = setting(
+        "auto",
+        "generate: a text generation model; pooling: an embedding model, served at "
+        "/v1/embeddings and by LLM.embed (auto: pooling for a sentence-transformers folder, "
+        "a *Model architecture (BertModel, Qwen3Model) or a --convert, else generate)",
+        choices=RUNNERS,
+    )
+    convert: str = setting(
+        "auto",
+        "embed: run a causal LM (Qwen3ForCausalLM, LlamaForCausalLM) as an embedding model, "
+        "its final hidden states pooled (auto: embed for --runner pooling over a causal LM)",
+        choices=CONVERTS,
+    )
+    pooler_config: dict[str, Any] | None = setting(
+        None,
+        'a pooling model\'s pooler, vLLM\'s JSON: {"pooling_type": "MEAN", "use_activation": '
+        "false} (pooling_type LAST, MEAN or CLS; use_activation: L2-normalize; dimensions). "
+        "Default: the sentence-transformers 1_Pooling config, else LAST (CLS for BERT)",
+        parse=json_object_flag("pooler_config"),
+        metavar="JSON",
+    )
     data_parallel_size: int = setting(
         1,
         "engine-core processes, each with its own scheduler and KV pool, behind one API "
@@ -711,6 +794,16 @@ class EngineArgs:
                 "enable_sleep_mode with tensor_parallel_size > 1 is not supported: sleep and "
                 "wake_up act on the engine's own process only."
             )
+        if isinstance(self.pooler_config, str):  # LLM(...) may pass vLLM's JSON
+            self.pooler_config = json_object(self.pooler_config, "pooler_config")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}.")
+        if self.convert not in CONVERTS:
+            raise ValueError(
+                f"convert must be one of {', '.join(CONVERTS)} (vLLM's classify and reward "
+                f"conversions are not implemented); got {self.convert!r}."
+            )
+        check_pooler_config(self.pooler_config)
         if isinstance(self.profiler_config, str):  # LLM(...) may pass vLLM's JSON
             self.profiler_config = json_object(self.profiler_config, "profiler_config")
         resolve_profiler_config(self.profiler_config, {})  # a bad key fails here
@@ -823,13 +916,20 @@ class EngineArgs:
         tokenizer_path: str = "",
         generation_defaults: Mapping[str, Any] | None = None,
         hf_config_path: str = "",
+        st_pooling: Mapping[str, Any] | None = None,
     ) -> EngineConfig:
         """Every effective setting for this machine and model (whose weight files hold
         weight_bytes). `tokenizer_path`: the resolved --tokenizer ("": the model's);
         `hf_config_path`: the resolved --hf-config-path ("": the model's config.json);
         `generation_defaults`: the sampling defaults of a --generation-config folder (None:
-        the model's own, model_config.sampling_defaults). Raises ValueError naming the setting
-        when the capacity asked for cannot hold what is asked of it."""
+        the model's own, model_config.sampling_defaults); `st_pooling`: what a
+        sentence-transformers folder's modules.json says of its pooling (None: not one).
+        Raises ValueError naming the setting when the capacity asked for cannot hold what is
+        asked of it, or when the runner, conversion or pooler asked for does not fit the
+        model."""
+        runner, convert, pooler = resolve_runner(
+            self.runner, self.convert, self.pooler_config, model_config, st_pooling
+        )
         block_types = model_config.weight_block_types
         if self.quantization not in (None, "gguf"):
             block_types = (self.quantization.upper(),)
@@ -893,7 +993,8 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # An encoder's hidden states depend on the whole prompt: no prefix reuse.
+                enable_prefix_caching=self.enable_prefix_caching and model_config.is_causal,
                 bytes_per_token=bytes_per_token,
                 dtype=kv_cache_dtype,
                 group_windows=group_windows,
@@ -914,6 +1015,7 @@ class EngineArgs:
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
                 max_queue_wait_s=self.max_queue_wait,
+                enable_chunked_prefill=model_config.is_causal,
             ),
             backend=BackendConfig(
                 attention_backend=self.attention_backend,
@@ -942,6 +1044,9 @@ class EngineArgs:
             sampling_defaults=self._sampling_defaults(model_config, generation_defaults),
             enable_sleep_mode=self.enable_sleep_mode,
             profiler_config=resolve_profiler_config(self.profiler_config, os.environ),
+            runner=runner,
+            convert=convert,
+            pooler=pooler,
         )
 
     def _sampling_defaults(
@@ -1280,3 +1385,107 @@ def load_chat_template(value: str | None) -> str | None:
         raise ValueError(
             f"chat_template {value!r} is neither a readable file ({exc.strerror}) nor a template."
         ) from None
+
+
+def check_pooler_config(pooler_config: Mapping[str, Any] | None) -> None:
+    """ValueError naming a --pooler-config key octavo does not take (vLLM's removed
+    `normalize` with vLLM's own words), or a bad value."""
+    if pooler_config is None:
+        return
+    if "normalize" in pooler_config:
+        raise ValueError(
+            "pooler_config: Parameter `normalize` was removed; use `use_activation` instead."
+        )
+    for key, value in pooler_config.items():
+        if key in POOLER_CONFIG_REFUSED:
+            if value not in POOLER_CONFIG_REFUSED[key]:
+                raise ValueError(
+                    f"pooler_config: {key}={value!r} is not supported (octavo pools sequences "
+                    "for the embed task only)."
+                )
+        elif key not in POOLER_CONFIG_KEYS:
+            raise ValueError(
+                f"pooler_config: unknown key {key!r} (octavo takes "
+                f"{', '.join(POOLER_CONFIG_KEYS)})."
+            )
+    if "pooling_type" in pooler_config and "seq_pooling_type" in pooler_config:
+        raise ValueError("pooler_config: Cannot set both `pooling_type` and `seq_pooling_type`.")
+    kind = pooler_config.get("pooling_type", pooler_config.get("seq_pooling_type"))
+    if kind is not None and kind not in POOLING_TYPES:
+        raise ValueError(
+            f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}; got "
+            f"{kind!r} (vLLM's token pooling ALL and STEP are not implemented)."
+        )
+    use_activation = pooler_config.get("use_activation")
+    if use_activation is not None and not isinstance(use_activation, bool):
+        raise ValueError(
+            f"pooler_config: use_activation must be a boolean, got {use_activation!r}."
+        )
+    dimensions = pooler_config.get("dimensions")
+    if dimensions is not None and (not isinstance(dimensions, int) or dimensions < 1):
+        raise ValueError(
+            f"pooler_config: dimensions must be a positive integer, got {dimensions!r}."
+        )
+
+
+def resolve_runner(
+    runner: str,
+    convert: str,
+    pooler_config: Mapping[str, Any] | None,
+    model_config: ModelConfig,
+    st_pooling: Mapping[str, Any] | None,
+) -> tuple[str, str, PoolerConfig | None]:
+    """vLLM's resolution of --runner and --convert auto, and of the pooler: (runner, convert,
+    pooler). A sentence-transformers folder, an architecture that is a pooling model (its
+    ArchSpec's default pooling type: BertModel, Qwen3Model, ...) or a --convert other than
+    none makes `auto` a pooling runner; a causal LM is converted to an embedder (`embed`).
+    The pooler's fields: --pooler-config's, else the sentence-transformers folder's (its
+    Pooling module's mode, and whether a Normalize module follows), else the architecture's
+    default (LAST; CLS for BERT), normalized. Raises ValueError naming the setting."""
+    native = model_config.default_pooling_type
+    if runner == "auto":
+        pooling = st_pooling is not None or native is not None or convert not in ("auto", "none")
+        runner = "pooling" if pooling else "generate"
+    if runner == "generate":
+        if convert not in ("auto", "none"):
+            raise ValueError(f"convert={convert!r} needs runner='pooling'.")
+        if native is not None:
+            raise ValueError(
+                f"{model_config.architecture} has no language-model head: it runs as a pooling "
+                "model (runner='pooling', the default for it)."
+            )
+        if pooler_config is not None:
+            raise ValueError("pooler_config applies to runner='pooling' only.")
+        return "generate", "none", None
+    if convert == "auto":
+        convert = "none" if native is not None else "embed"
+    elif convert == "none" and native is None:
+        raise ValueError(
+            f"{model_config.architecture} is a generation model: runner='pooling' needs "
+            "convert='embed' (or auto) to run it as an embedder."
+        )
+    given = dict(pooler_config or {})
+    if "seq_pooling_type" in given:
+        given["pooling_type"] = given.pop("seq_pooling_type")
+    fields: dict[str, Any] = {"pooling_type": native or "LAST", "source": "model_default"}
+    for source, values in (("sentence_transformers", st_pooling or {}), ("user", given)):
+        for key in ("pooling_type", "use_activation", "dimensions"):
+            if values.get(key) is not None:
+                fields[key] = values[key]
+                if key == "pooling_type":
+                    fields["source"] = source
+    if fields["pooling_type"] not in POOLING_TYPES:
+        raise ValueError(
+            f"the model's sentence-transformers pooling {fields['pooling_type']!r} is not "
+            f"supported (octavo pools {', '.join(POOLING_TYPES)}); set pooler_config."
+        )
+    return (
+        "pooling",
+        convert,
+        PoolerConfig(
+            **fields,
+            embedding_size=model_config.hidden_size,
+            is_matryoshka=model_config.is_matryoshka,
+            matryoshka_dimensions=model_config.matryoshka_dimensions,
+        ),
+    )

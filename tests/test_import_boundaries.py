@@ -16,7 +16,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "octavo"
 # package -> octavo packages it may import (besides itself and octavo.config)
 ALLOWED = {
     "core": {"metrics.stats"},
-    "worker": {"model", "sample", "core.scheduler_output", "core.outputs", "core.sampling_params"},
+    "worker": {
+        "model",
+        "sample",
+        "core.scheduler_output",
+        "core.outputs",
+        "core.sampling_params",
+        "core.pooling_params",
+    },
     "model": set(),
     "sample": set(),
     # FinishReason is the request's (core/request.py); metrics names outcomes by it.

@@ -97,6 +97,10 @@ def test_vllm_paths_import_without_torch():
         "from octavo.sampling_params import BeamSearchParams\n"
         "from octavo.beam_search import BeamSearchOutput, BeamSearchSequence\n"
         "from octavo import TokensPrompt, TextPrompt, PromptType, EngineArgs, AsyncEngineArgs\n"
+        "from octavo import PoolingParams\n"
+        "from octavo.pooling_params import PoolingParams as ByPath\n"
+        "from octavo.outputs import EmbeddingRequestOutput, PoolingRequestOutput\n"
+        "assert PoolingParams is ByPath\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     run_python("-c", code)

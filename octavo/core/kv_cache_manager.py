@@ -165,9 +165,14 @@ class KVCacheManager:
         The hit never covers the last token: the step must compute at least one position to
         have logits to sample from. Without prefix caching, or for a request that asks for
         prompt logprobs (they need the logits of every prompt position, so it recomputes its
-        whole prompt, as vLLM's does; its own blocks are still cached for others): ([], 0).
+        whole prompt, as vLLM's does; its own blocks are still cached for others), or for a
+        pooling request that reads every prompt position's hidden state: ([], 0).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_caching
+            or request.sampling_params.prompt_logprobs is not None
+            or request.skips_prefix_cache
+        ):
             return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         found = [self._lookup(group, request, max_num_blocks) for group in self.groups]

@@ -38,6 +38,8 @@ class ModelRunnerOutput:
     # Requests that asked for prompt logprobs and sampled their first token this step: all of
     # their prompt's logprobs, gathered across its chunks (once per request).
     prompt_logprobs: dict[str, PromptTokenLogprobs] = field(default_factory=dict)
+    # Pooling requests whose last prompt token was computed this step: their pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -56,3 +58,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Set once, beside the first token, for a request that asked for prompt logprobs.
     prompt_logprobs: PromptTokenLogprobs | None = None
+    # A pooling request's vector, set with its finish (it has no tokens).
+    pooled: list[float] | None = None

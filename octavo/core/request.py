@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.sampling_params import SamplingParams
 
 
@@ -97,12 +98,15 @@ class Request:
         arrival_time: float | None = None,
         grammar: RequestGrammar | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """`resolved` is the engine's: the effective max_tokens (the caller has checked that
         prompt + max_tokens fits) and the stop token ids. `sampling_params` is the request's
         own copy, which nothing changes afterwards. `grammar` is set for a structured-output
         request; it sees every output token exactly once. `priority` is vLLM's: lower runs
-        earlier under the priority scheduling policy; fcfs ignores it."""
+        earlier under the priority scheduling policy; fcfs ignores it. `pooling_params` makes it a
+        pooling request: its prompt is run and pooled, nothing is sampled, and it ends in the
+        step that computes its last prompt token."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -111,6 +115,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.grammar = grammar
         self.priority = priority
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -127,6 +132,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Why the engine could not run it (FINISHED_ERROR only).
         self.error: str | None = None
+        # A pooling request's vector, once the runner has pooled its prompt.
+        self.pooled: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,6 +146,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether the request must compute every prompt position (its pooling reads them)."""
+        return bool(self.pooling_params and self.pooling_params.skip_reading_prefix_cache)
 
     @property
     def is_finished(self) -> bool:

@@ -83,6 +83,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        # Without chunked prefill (an encoder) a prompt runs whole or waits.
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -198,7 +200,10 @@ class Scheduler:
 
     def _chunk(self, num_remaining: int, plan: _StepPlan) -> int:
         """Tokens a request runs this step: what it has left, within the step's budget and,
-        where the step carries decoding streams, the long-prefill cap."""
+        where the step carries decoding streams, the long-prefill cap. Without chunked prefill
+        (an encoder): all it has left, or 0 when that does not fit the budget."""
+        if not self.enable_chunked_prefill:
+            return num_remaining if num_remaining <= plan.token_budget else 0
         threshold = self.long_prefill_token_threshold
         if plan.cap_prompts and 0 < threshold < num_remaining:
             num_remaining = threshold
@@ -249,6 +254,8 @@ class Scheduler:
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, plan)
+            if num_new_tokens == 0:
+                break  # a whole prompt that does not fit this step's budget
             candidate = AdmissionCandidate(
                 request,
                 num_new_tokens,
@@ -285,6 +292,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 group_block_ids=self._group_block_ids(request.request_id),
+                pooling_params=request.pooling_params,
             )
             for request in plan.new_reqs
         ]
@@ -336,7 +344,9 @@ class Scheduler:
         rejects (sampling is masked by it, so this is the grammar failing, never the model),
         and a request the runner reports in `failed`, end it as FINISHED_ERROR. Returns one
         output per request that got tokens or ended; a prefill chunk that is not the last gets
-        none. Requests aborted since `schedule()` are skipped.
+        none. A pooling request gets no token: the step that computed its last prompt token
+        returns its vector (`runner_output.pooled`), and it ends there as STOPPED. Requests
+        aborted since `schedule()` are skipped.
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
@@ -345,6 +355,12 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             outputs.append(self._fail(request, reason))
+            finished_any = True
+        for request_id, pooled in runner_output.pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            outputs.append(self._finish_pooling(request, pooled))
             finished_any = True
         for request_id, token_ids, logprobs in zip(
             runner_output.req_ids,
@@ -421,6 +437,20 @@ class Scheduler:
             if request.is_finished:
                 return token_ids[: idx + 1]
         return list(token_ids)
+
+    def _finish_pooling(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """End a pooling request whose whole prompt is computed (its blocks freed)."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.pooled = pooled
+        self._finish(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_logprobs=None,
+            finish_reason=FinishReason.STOP,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooled=pooled,
+        )
 
     def _fail(
         self, request: Request, reason: str, new_token_ids: list[int] | None = None

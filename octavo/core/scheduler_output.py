@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class NewRequestData:
     # KV cache groups 1..'s block lists, place for place beside block_ids (group 0's); empty
     # for a one-group cache.
     group_block_ids: tuple[list[int], ...] = ()
+    # Set for a pooling request: the runner pools its prompt's hidden states (the last chunk
+    # returns the vector) and samples nothing for it.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)

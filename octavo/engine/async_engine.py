@@ -30,12 +30,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import FinishReason
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.outputs import PoolingRequestOutput, RequestOutput
 from octavo.engine.queue_limits import QueueLimits
 from octavo.engine.step_rates import StepRates, StepShape
 
@@ -67,12 +68,26 @@ class EngineRequest:
 
     request_id: str
     prompt: ProcessedPrompt
-    sampling_params: SamplingParams
+    # PoolingParams: a pooling request (one PoolingRequestOutput when it ends).
+    sampling_params: SamplingParams | PoolingParams
     arrival_time: float
     # vLLM's: lower runs earlier under the priority scheduling policy.
     priority: int = 0
     # What its outputs carry; the server streams deltas.
     output_kind: OutputKind = OutputKind.DELTA
+
+    @property
+    def num_streams(self) -> int:
+        """Output streams it runs (n; a pooling request has one)."""
+        params = self.sampling_params
+        return params.n if isinstance(params, SamplingParams) else 1
+
+
+def request_errors(output: RequestOutput | PoolingRequestOutput) -> list[str]:
+    """Why the engine could not run (parts of) a request: FinishReason.ERROR's messages."""
+    if isinstance(output, PoolingRequestOutput):
+        return [output.error or ""] if output.finish_reason == FinishReason.ERROR else []
+    return [c.error or "" for c in output.outputs if c.finish_reason == FinishReason.ERROR]
 
 
 class _OutputStream:
@@ -233,7 +248,7 @@ class AsyncEngine:
         self._check_alive()
         # Per request: the slots it holds in the queue bounds (n), and its prompt tokens until
         # its first output says the prompt is done.
-        num_slots = {r.request_id: r.sampling_params.n for r in requests}
+        num_slots = {r.request_id: r.num_streams for r in requests}
         prefilling = {r.request_id: len(r.prompt.prompt_token_ids) for r in requests}
         self.queue_limits.admit(sum(num_slots.values()), sum(prefilling.values()))
         stream = _OutputStream(len(requests))
@@ -245,11 +260,8 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                for completion in item.outputs:
-                    if completion.finish_reason == FinishReason.ERROR:
-                        raise EngineRequestError(
-                            f"The engine could not run this request: {completion.error}"
-                        )
+                for error in request_errors(item):
+                    raise EngineRequestError(f"The engine could not run this request: {error}")
                 if item.request_id in prefilling:
                     self.queue_limits.prefilled(prefilling.pop(item.request_id))
                 if item.finished:
@@ -268,7 +280,7 @@ class AsyncEngine:
         bounds (a server checks before it starts a stream, so that the rejection is an HTTP
         status, not an error event; generate checks again, and that one holds)."""
         self.queue_limits.check(
-            sum(r.sampling_params.n for r in requests),
+            sum(r.num_streams for r in requests),
             sum(len(r.prompt.prompt_token_ids) for r in requests),
         )
 

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from octavo.config import EngineConfig
 from octavo.core.kv_view import kv_snapshot
 from octavo.core.outputs import EngineCoreOutput
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import FinishReason, Request, ResolvedParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.core.scheduler import Scheduler
@@ -94,6 +95,9 @@ class EngineCoreRequest:
     # vLLM's: lower runs earlier under the priority scheduling policy (the frontend has
     # refused anything but 0 under fcfs).
     priority: int = 0
+    # Set for a pooling request (resolved by the frontend); its sampling_params only carry
+    # what every request has (output kind, n = 1).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ class EngineCore:
                 request.arrival_time,
                 grammar,
                 request.priority,
+                request.pooling_params,
             )
         )
         self.stats_tracker.add_request(

@@ -44,6 +44,7 @@ import zmq
 
 from octavo.config import EngineArgs
 from octavo.core.block_hash import extend_block_hashes
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.router import PrefixRouter
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine import serial
@@ -60,7 +61,13 @@ from octavo.engine.async_engine import (
 from octavo.engine.core import EngineCoreRequest, check_sleep
 from octavo.engine.core_proc import CoreInfo, run_engine_core
 from octavo.engine.input_processor import InputProcessor
-from octavo.engine.llm_engine import add_finished_requests, fan_out, record_stats
+from octavo.engine.llm_engine import (
+    add_finished_requests,
+    fan_out,
+    pooling_request,
+    pooling_support,
+    record_stats,
+)
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
@@ -189,6 +196,7 @@ class MPEngine:
             structured,
             self.config.max_logprobs,
             self.config.scheduler.scheduling_policy,
+            pooling_support(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -501,6 +509,22 @@ class AsyncMPEngine(AsyncEngine):
         added: list[str] = []
         try:
             for request in command.requests:
+                if isinstance(request.sampling_params, PoolingParams):
+                    groups.append(
+                        [
+                            pooling_request(
+                                engine.input_processor,
+                                engine.output_processor,
+                                request.request_id,
+                                request.prompt,
+                                request.sampling_params,
+                                request.arrival_time,
+                                request.priority,
+                            )
+                        ]
+                    )
+                    added.append(request.request_id)
+                    continue
                 groups.append(
                     fan_out(
                         engine.input_processor,

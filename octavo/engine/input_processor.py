@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from octavo.config import PoolerConfig
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import ResolvedParams
 from octavo.core.sampling_params import SamplingParams
 from octavo.engine.inputs import PromptType
@@ -21,6 +23,15 @@ from octavo.structured_output import StructuredOutputManager
 
 # The keys of a prompt dict (vLLM's TextPrompt and TokensPrompt).
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingSupport:
+    """What a pooling engine's requests are checked against."""
+
+    pooler: PoolerConfig
+    # The name messages give the model (vLLM's served_model_name).
+    model_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +50,14 @@ class InputProcessor:
         structured_output: StructuredOutputManager | None = None,
         max_logprobs: int = -1,
         scheduling_policy: str = "fcfs",
+        pooling: PoolingSupport | None = None,
     ) -> None:
         """Without `structured_output`, requests with a constraint are refused. max_logprobs:
         the most logprobs a request may ask for per position (-1: the vocabulary).
         scheduling_policy: the scheduler's (config.SCHEDULING_POLICIES); only `priority`
-        takes requests with a priority other than 0."""
+        takes requests with a priority other than 0. `pooling`: set for a pooling engine,
+        whose requests are pooling requests (a prompt may then fill max_model_len: nothing is
+        generated after it)."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.max_logprobs = vocab_size if max_logprobs < 0 else max_logprobs
@@ -51,6 +65,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.structured_output = structured_output
+        self.pooling = pooling
+        # A generation prompt leaves room for at least one token.
+        self.max_prompt_tokens = max_model_len if pooling is not None else max_model_len - 1
         # No token stands for more characters than its vocabulary string has (byte-level
         # and SentencePiece vocabularies alike, special tokens included), so a text longer
         # than this is more than max_model_len tokens, whatever it tokenizes to.
@@ -219,10 +236,11 @@ class InputProcessor:
             raise ValueError(
                 f"prompt token id {bad[0]!r} is out of range for vocab_size {self.vocab_size}."
             )
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_prompt_tokens:
+            room = "" if self.pooling is not None else ": it leaves no room to generate"
             raise ValueError(
                 f"The prompt is {len(token_ids)} tokens long, but max_model_len is "
-                f"{self.max_model_len}: it leaves no room to generate."
+                f"{self.max_model_len}{room}."
             )
         return ProcessedPrompt(prompt, token_ids)
 
@@ -288,3 +306,51 @@ class InputProcessor:
             stop_ids.update(self.eos_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         return ResolvedParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_ids))
+
+    def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """A pooling request's params checked against the model and completed with the
+        pooler's defaults (vLLM's PoolingParams.verify): use_activation, dimensions, and
+        whether the request may take prefix-cache hits (LAST pooling only). Raises ValueError
+        naming the parameter; a generation engine refuses every pooling request."""
+        support = self.pooling
+        if support is None:
+            raise ValueError(
+                "Embedding API is not supported by this model. Try converting the model using "
+                "`--convert embed`."
+            )
+        resolved = params.clone()
+        pooler = support.pooler
+        if resolved.use_activation is None:
+            resolved.use_activation = pooler.use_activation
+        if resolved.dimensions is None:
+            resolved.dimensions = pooler.dimensions
+        dimensions = resolved.dimensions
+        if dimensions is not None:
+            name = support.model_name
+            if not pooler.is_matryoshka:
+                raise ValueError(
+                    f"Model {name!r} does not support Matryoshka embeddings; dimensions must "
+                    f"be unset (received dimensions={dimensions})."
+                )
+            if not 1 <= dimensions <= pooler.embedding_size:
+                raise ValueError(
+                    f"Model {name!r} only supports dimensions in range "
+                    f"[1, {pooler.embedding_size}], got {dimensions}."
+                )
+            allowed = pooler.matryoshka_dimensions
+            if allowed is not None and dimensions not in allowed:
+                raise ValueError(
+                    f"Model {name!r} only supports Matryoshka dimensions {list(allowed)}, got "
+                    f"{dimensions}."
+                )
+        resolved.task = "embed"
+        resolved.skip_reading_prefix_cache = pooler.pooling_type != "LAST"
+        return resolved
+
+    def check_generation(self, api: str) -> None:
+        """ValueError for a generation request (`api` names the call) to a pooling engine."""
+        if self.pooling is not None:
+            raise ValueError(
+                f"{api} is only supported for generative models. Try passing `--runner "
+                "generate` to use the model as a generative model."
+            )

@@ -28,11 +28,18 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from octavo.config import EngineArgs, EngineConfig, capacity_line, weights_line
-from octavo.core.sampling_params import SamplingParams
+from octavo.core.pooling_params import PoolingParams
+from octavo.core.request import ResolvedParams
+from octavo.core.sampling_params import RequestOutputKind, SamplingParams
 from octavo.engine.core import EngineCore, EngineCoreRequest, check_sleep
-from octavo.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from octavo.engine.input_processor import (
+    InputProcessor,
+    PoolingSupport,
+    ProcessedPrompt,
+    PromptType,
+)
 from octavo.engine.output_processor import OutputKind, OutputProcessor, ProcessedOutputs
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.outputs import PoolingRequestOutput, RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
 from octavo.metrics.stats import IterationStats, SchedulerStats, StatLogger
 from octavo.worker.model_runner import ModelRunner
@@ -62,6 +69,7 @@ class LLMEngine:
             self.core.structured_output,
             config.max_logprobs,
             config.scheduler.scheduling_policy,
+            pooling_support(config),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
@@ -120,7 +128,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType | ProcessedPrompt,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         output_kind: OutputKind | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -128,8 +136,22 @@ class LLMEngine:
         """Check and queue one request. `output_kind`: what `step()` reports of it (None:
         `sampling_params.output_kind`, vLLM's rule: every step's cumulative output unless the
         params say otherwise). `priority` is vLLM's (lower runs earlier; anything but 0 needs
-        the priority scheduling policy). Raises ValueError (naming the parameter) on bad
-        input; nothing is queued then."""
+        the priority scheduling policy). PoolingParams (vLLM's add_request takes either) make
+        it a pooling request, which a pooling engine runs and reports once, as a
+        PoolingRequestOutput. Raises ValueError (naming the parameter) on bad input; nothing
+        is queued then."""
+        if isinstance(sampling_params, PoolingParams):
+            request = pooling_request(
+                self.input_processor,
+                self.output_processor,
+                request_id,
+                prompt,
+                sampling_params,
+                arrival_time,
+                priority,
+            )
+            self.core.add_request(request)
+            return
         requests = fan_out(
             self.input_processor,
             self.output_processor,
@@ -152,7 +174,7 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         step = self.core.step()
         processed = self.output_processor.process_outputs(step.outputs)
         # The one backward edge: stop strings found in the text end requests next step.
@@ -248,6 +270,52 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def pooling_support(config: EngineConfig) -> PoolingSupport | None:
+    """What a pooling engine's requests are checked against (None for a generation engine)."""
+    if config.pooler is None:
+        return None
+    return PoolingSupport(config.pooler, config.served_model_name)
+
+
+def pooling_request(
+    input_processor: InputProcessor,
+    output_processor: OutputProcessor,
+    request_id: str,
+    prompt: PromptType | ProcessedPrompt,
+    pooling_params: PoolingParams,
+    arrival_time: float | None,
+    priority: int = 0,
+) -> EngineCoreRequest:
+    """Check one pooling request, register it with `output_processor`, and return what the
+    core runs of it. Its SamplingParams only carry what every request has (one output,
+    reported once at the end); it takes no decode step and no KV beyond its prompt. Raises
+    ValueError (naming the parameter) on bad input; nothing is registered then."""
+    if output_processor.has_request(request_id):
+        raise ValueError(f"request_id {request_id!r} is already in use.")
+    params = input_processor.resolve_pooling_params(pooling_params)
+    input_processor.check_priority(priority)
+    if not isinstance(prompt, ProcessedPrompt):
+        prompt = input_processor.process_prompt(prompt)
+    carrier = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    output_processor.add_request(
+        request_id,
+        prompt.prompt,
+        prompt.prompt_token_ids,
+        carrier,
+        OutputKind.FINAL_ONLY,
+        is_pooling=True,
+    )
+    return EngineCoreRequest(
+        request_id,
+        prompt.prompt_token_ids,
+        carrier,
+        ResolvedParams(max_tokens=0, stop_token_ids=frozenset()),
+        time.monotonic() if arrival_time is None else arrival_time,
+        priority,
+        params,
+    )
+
+
 def fan_out(
     input_processor: InputProcessor,
     output_processor: OutputProcessor,
@@ -263,6 +331,7 @@ def fan_out(
     parameter) on bad input; nothing is registered then."""
     if output_processor.has_request(request_id):
         raise ValueError(f"request_id {request_id!r} is already in use.")
+    input_processor.check_generation("Generation (a SamplingParams request)")
     input_processor.check_priority(priority)
     if isinstance(prompt, ProcessedPrompt):
         processed = input_processor.truncate(prompt, sampling_params)
@@ -311,6 +380,7 @@ def build_core_parts(
         tokenizer_path=facts.tokenizer_path,
         generation_defaults=facts.generation_defaults,
         hf_config_path=facts.hf_config_path,
+        st_pooling=facts.st_pooling,
     )
     runner, backend, config = build_model_runner(config)
     config = dataclasses.replace(config, backend_choices=backend.describe())

@@ -20,6 +20,8 @@ from octavo.core.sampling_params import RequestOutputKind, SamplingParams
 from octavo.engine.detokenizer import Detokenizer, get_backend_tokenizer
 from octavo.engine.outputs import (
     CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -34,7 +36,8 @@ OutputKind = RequestOutputKind
 
 @dataclass(frozen=True, slots=True)
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    # PoolingRequestOutput for a pooling request, once, when it ends.
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     # Core request ids that hit a stop string this step; the engine aborts them in the
     # scheduler. Their outputs already say FinishReason.STOP.
     reqs_to_abort: list[str]
@@ -83,6 +86,9 @@ class _RequestState:
     # the same), and DELTA sends them once.
     prompt_logprobs: PromptLogprobs | None = None
     is_prompt_logprobs_sent: bool = False
+    # A pooling request (no text: one PoolingRequestOutput when it ends), and its vector.
+    is_pooling: bool = False
+    pooled: list[float] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -109,10 +115,13 @@ class OutputProcessor:
         sampling_params: SamplingParams,
         output_kind: OutputKind,
         child_ids: list[str] | None = None,
+        is_pooling: bool = False,
     ) -> None:
         """Registers a request. For n > 1 the engine passes the parent id plus the child request
         ids it created (child i is CompletionOutput index i); engine core outputs arrive under
-        the child ids. Raises ValueError on a reused id or a child count other than n."""
+        the child ids. `is_pooling`: a pooling request, reported once as a
+        PoolingRequestOutput when it ends. Raises ValueError on a reused id or a child count
+        other than n."""
         core_ids = [request_id] if child_ids is None else list(child_ids)
         if len(core_ids) != sampling_params.n:
             raise ValueError(
@@ -143,6 +152,7 @@ class OutputProcessor:
             output_kind,
             completions,
             len(completions),
+            is_pooling=is_pooling,
         )
         for completion in completions:
             self._completions[completion.core_request_id] = completion
@@ -180,6 +190,8 @@ class OutputProcessor:
                 completion.stop_reason = output.stop_reason
                 completion.error = output.error
             request = self._requests[completion.parent_id]
+            if output.pooled is not None:
+                request.pooled = output.pooled
             if output.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = to_prompt_logprobs(
                     output.prompt_logprobs, self._decode_token
@@ -270,7 +282,11 @@ class OutputProcessor:
         del self._completions[completion.core_request_id]
         request.num_unfinished -= 1
 
-    def _make_request_output(self, request: _RequestState) -> RequestOutput | None:
+    def _make_request_output(
+        self, request: _RequestState
+    ) -> RequestOutput | PoolingRequestOutput | None:
+        if request.is_pooling:
+            return _pooling_output(request) if request.is_finished else None
         kind = request.output_kind
         if kind == OutputKind.FINAL_ONLY and not request.is_finished:
             return None
@@ -304,6 +320,21 @@ class OutputProcessor:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_texts[token_id] = text
         return text
+
+
+def _pooling_output(request: _RequestState) -> PoolingRequestOutput:
+    completion = request.completions[0]
+    completion.is_changed = False
+    return PoolingRequestOutput(
+        request_id=request.request_id,
+        outputs=PoolingOutput(list(request.pooled or [])),
+        prompt_token_ids=request.prompt_token_ids,
+        finished=True,
+        num_cached_tokens=max(completion.num_cached_tokens, 0),
+        prompt=request.prompt,
+        finish_reason=completion.finish_reason,
+        error=completion.error,
+    )
 
 
 def _take_cumulative(completion: _CompletionState) -> CompletionOutput:

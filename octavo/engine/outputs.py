@@ -1,4 +1,5 @@
-"""What callers of the offline API and the server receive: vLLM's RequestOutput shape."""
+"""What callers of the offline API and the server receive: vLLM's RequestOutput shape, and for
+pooling requests vLLM's PoolingRequestOutput (EmbeddingRequestOutput from LLM.embed)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,60 @@ class RequestOutput:
     # Set when the request asked for prompt_logprobs (vLLM's field); under DELTA output, only
     # in the first RequestOutput.
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: a pooling request's pooled vector (a list of floats here, not a tensor)."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: what a pooling request ends with. `finish_reason` and `error` are octavo's: an
+    aborted or failed request has no vector (empty data) and says why."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: what LLM.embed returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(list(output.outputs.data)),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )
 
 
 def to_sample_logprobs(

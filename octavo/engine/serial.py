@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import FinishReason, ResolvedParams
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.engine.core import EngineCoreRequest
@@ -51,11 +52,21 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
         sorted(request.resolved.stop_token_ids),
         request.arrival_time,
         request.priority,
+        None if request.pooling_params is None else dataclasses.asdict(request.pooling_params),
     ]
 
 
 def decode_request(item: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, params, max_tokens, stop_token_ids, arrival_time, priority = item
+    (
+        request_id,
+        prompt_token_ids,
+        params,
+        max_tokens,
+        stop_token_ids,
+        arrival_time,
+        priority,
+        pooling,
+    ) = item
     structured = params.pop("structured_outputs")
     if structured is not None:
         params["structured_outputs"] = StructuredOutputsParams(**structured)
@@ -66,6 +77,7 @@ def decode_request(item: list[Any]) -> EngineCoreRequest:
         ResolvedParams(max_tokens, frozenset(stop_token_ids)),
         arrival_time,
         priority,
+        None if pooling is None else PoolingParams(**pooling),
     )
 
 
@@ -92,11 +104,22 @@ def encode_output(output: EngineCoreOutput) -> list[Any]:
         output.error,
         output.num_cached_tokens,
         _encode_logprobs(output.prompt_logprobs),
+        output.pooled,
     ]
 
 
 def decode_output(item: list[Any]) -> EngineCoreOutput:
-    request_id, token_ids, logprobs, finish_reason, stop_reason, error, num_cached, prompt = item
+    (
+        request_id,
+        token_ids,
+        logprobs,
+        finish_reason,
+        stop_reason,
+        error,
+        num_cached,
+        prompt,
+        pooled,
+    ) = item
     return EngineCoreOutput(
         request_id,
         token_ids,
@@ -106,6 +129,7 @@ def decode_output(item: list[Any]) -> EngineCoreOutput:
         error,
         num_cached,
         _decode_logprobs(prompt),
+        pooled,
     )
 
 

@@ -1,9 +1,10 @@
-"""LLM: the offline API, with vLLM's names (`generate`, `chat`, `beam_search`, `sleep` / `wake_up`,
-`start_profile` / `stop_profile`, `get_metrics`), over one LLMEngine.
+"""LLM: the offline API, with vLLM's names (`generate`, `chat`, `beam_search`, `embed`, `sleep` /
+`wake_up`, `start_profile` / `stop_profile`, `get_metrics`), over one LLMEngine.
 
 from octavo import LLM, SamplingParams
 llm = LLM()                      # the embedded default model
 llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+LLM(model=path, runner="pooling").embed(["Hello"])[0].outputs.embedding
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from octavo.config import EngineArgs
+from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import FinishReason
 from octavo.core.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.beam_search import (
@@ -28,7 +30,7 @@ from octavo.engine.beam_search import (
 from octavo.engine.input_processor import ProcessedPrompt, PromptType
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import OutputKind
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from octavo.entrypoints.vllm_compat import check_keywords
 from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
 from octavo.metrics.reader import Metric, get_metrics_snapshot
@@ -128,7 +130,56 @@ class LLM:
         list of token ids, a list of either, or vLLM's {"prompt_token_ids": [...]} dicts.
         `priority` (vLLM's): one integer per prompt, lower runs earlier; anything but 0 needs
         `scheduling_policy="priority"`."""
+        self.llm_engine.input_processor.check_generation("LLM.generate()")
         return self._run(self._as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding per prompt, in the prompts' order (a pooling model's: runner
+        "pooling"). `pooling_params`: one for all or one per prompt (use_activation: L2-
+        normalize; dimensions: a Matryoshka model's prefix); `truncate_prompt_tokens`: keep
+        each prompt's last N tokens (-1: the last max_model_len). A ValueError naming the
+        parameter rejects the whole call before anything runs."""
+        engine = self.llm_engine
+        processor = engine.input_processor
+        prompt_list = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"pooling_params has {len(params_list)} entries for {len(prompt_list)} prompts."
+                )
+        for params in params_list:
+            processor.resolve_pooling_params(params)  # checks only
+        if truncate_prompt_tokens is not None and not (
+            truncate_prompt_tokens == -1 or truncate_prompt_tokens >= 1
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}."
+            )
+        keep_last = (
+            engine.config.scheduler.max_model_len
+            if truncate_prompt_tokens == -1
+            else truncate_prompt_tokens
+        )
+        processed = [processor.process_prompt(p, keep_last=keep_last) for p in prompt_list]
+        outputs = self._run_requests(processed, params_list, use_tqdm, priority)
+        for output in outputs:
+            if output.finish_reason is not None and output.finish_reason != "stop":
+                raise RuntimeError(
+                    f"request {output.request_id} ended with {output.finish_reason}: "
+                    f"{output.error or 'no embedding'}"
+                )
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def chat(
         self,
@@ -144,6 +195,7 @@ class LLM:
         """Render each conversation with the chat template (`chat_template`, else the model's
         or the engine's override), then generate. `tools` (OpenAI's tool dicts) are passed to
         the template, which renders them if it supports tools; the output is not parsed."""
+        self.llm_engine.input_processor.check_generation("LLM.chat()")
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
@@ -262,16 +314,9 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
                 )
-        if self.llm_engine.is_sleeping():
-            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
-        priorities = [0] * len(prompts) if priority is None else list(priority)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         engine = self.llm_engine
         processor = engine.input_processor
         # Check everything before queueing anything: one bad prompt rejects the whole call.
-        for value in priorities:
-            processor.check_priority(value)
         processed = [
             processor.truncate(p, params)
             if isinstance(p, ProcessedPrompt)
@@ -280,16 +325,45 @@ class LLM:
         ]
         for prompt, params in zip(processed, params_list):
             processor.resolve_params(params, len(prompt.prompt_token_ids))  # checks only
+        return self._run_requests(processed, params_list, use_tqdm, priority)
+
+    def _run_requests(
+        self,
+        processed: list[ProcessedPrompt],
+        params_list: Sequence[SamplingParams] | Sequence[PoolingParams],
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[Any]:
+        """Queue checked prompts with their params (every one of them, or none: a ValueError
+        names the parameter) and run the engine until they have all finished."""
+        if self.llm_engine.is_sleeping():
+            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
+        priorities = [0] * len(processed) if priority is None else list(priority)
+        if len(priorities) != len(processed):
+            raise ValueError(
+                f"priority has {len(priorities)} entries for {len(processed)} prompts."
+            )
+        engine = self.llm_engine
+        for value in priorities:
+            engine.input_processor.check_priority(value)
         request_ids = []
-        for prompt, params, value in zip(processed, params_list, priorities):
-            request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params, OutputKind.FINAL_ONLY, priority=value)
-            request_ids.append(request_id)
+        try:
+            for prompt, params, value in zip(processed, params_list, priorities):
+                request_id = engine.next_request_id()
+                engine.add_request(
+                    request_id, prompt, params, OutputKind.FINAL_ONLY, priority=value
+                )
+                request_ids.append(request_id)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
         return self._run_engine(request_ids, use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool
+    ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -304,7 +378,8 @@ class LLM:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} tok/s")
                     bar.update(1)

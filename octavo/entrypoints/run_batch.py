@@ -2,13 +2,14 @@
 format, answered by the server's own serving code in this process, without HTTP.
 
 Each input line is `{"custom_id", "method": "POST", "url", "body"}` with url
-/v1/chat/completions or /v1/completions; each output line, in input order, is `{"id",
+/v1/chat/completions or /v1/completions (a generation model), or /v1/embeddings (a pooling
+model; the other answers 404, as the server does); each output line, in input order, is `{"id",
 "custom_id", "response": {"status_code", "request_id", "body"}, "error"}` (vLLM's run-batch
 shapes). A line that fails (not JSON, another url or method, a body the endpoint refuses) gets
 the status the server would answer with, a null body and the server's error object under
 `error`; it never stops the file. Requests run concurrently, at most twice max_num_seqs at a
-time, through OpenAIServingChat and OpenAIServingCompletion, so validation, defaults, tool
-calls and structured outputs are those of `octavo serve`.
+time, through OpenAIServingChat, OpenAIServingCompletion and OpenAIServingEmbedding, so
+validation, defaults, tool calls and structured outputs are those of `octavo serve`.
 
 Must not: step the engine (the engine-core process or the AsyncEngine thread does).
 """
@@ -36,13 +37,16 @@ from octavo.entrypoints.server.app import ServerConfig, serving_context
 from octavo.entrypoints.server.errors import OpenAIError, bad_request, error_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.server.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger(__name__)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-# Endpoints vLLM's run-batch takes that octavo does not serve (no pooling models).
-POOLING_URLS = ("/v1/embeddings", "/score", "/rerank", "/v1/score", "/v1/rerank")
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+# Endpoints vLLM's run-batch takes that octavo does not serve (no scoring or reranking head).
+POOLING_URLS = ("/score", "/rerank", "/v1/score", "/v1/rerank")
 
 
 @dataclass(frozen=True)
@@ -104,12 +108,12 @@ def parse_line(line: str, number: int) -> ParsedLine:
     method = item.get("method", "POST")
     if url in POOLING_URLS:
         message = (
-            f"Invalid URL (POST {url}): octavo serves no embedding or scoring models; "
-            f"run-batch takes {CHAT_URL} and {COMPLETIONS_URL}."
+            f"Invalid URL (POST {url}): octavo serves no scoring or reranking models; "
+            f"run-batch takes {', '.join(URLS)}."
         )
         return ParsedLine(custom_id, error=OpenAIError(404, message, "url"))
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        message = f"Invalid URL (POST {url}): run-batch takes {CHAT_URL} and {COMPLETIONS_URL}."
+    if url not in URLS:
+        message = f"Invalid URL (POST {url}): run-batch takes {', '.join(URLS)}."
         return ParsedLine(custom_id, error=OpenAIError(404, message, "url"))
     if method != "POST":
         message = f"Method {method} is not allowed for {url}."
@@ -137,6 +141,36 @@ async def answer(parsed: ParsedLine, endpoints: dict[str, Endpoint]) -> LineResu
     return LineResult(parsed.custom_id, 200, body=response.model_dump(mode="json"))
 
 
+def batch_endpoints(
+    async_engine: AsyncEngine, config: ServerConfig, context: Any
+) -> dict[str, Endpoint]:
+    """url -> the server's handler of its body; what the model does not serve answers 404, as
+    the server's routes do (a pooling model serves embeddings only, a generation model none)."""
+
+    def unsupported(api: str, hint: str) -> Endpoint:
+        async def refuse(_: bytes) -> Any:
+            raise OpenAIError(404, f"The model does not support the {api} API: {hint}.", "url")
+
+        return refuse
+
+    if async_engine.engine.config.is_pooling:
+        pooling = "it is served as a pooling model (--runner pooling)"
+        return {
+            CHAT_URL: unsupported("Chat Completions", pooling),
+            COMPLETIONS_URL: unsupported("Completions", pooling),
+            EMBEDDINGS_URL: OpenAIServingEmbedding(context).create_from_body,
+        }
+    return {
+        CHAT_URL: OpenAIServingChat(
+            context, config.tool_serving, config.reasoning_parser
+        ).create_from_body,
+        COMPLETIONS_URL: OpenAIServingCompletion(context).create_from_body,
+        EMBEDDINGS_URL: unsupported(
+            "Embeddings", "it is served as a generation model (--runner generate)"
+        ),
+    }
+
+
 async def run_lines(
     async_engine: AsyncEngine,
     config: ServerConfig,
@@ -150,12 +184,7 @@ async def run_lines(
     requests = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     executor = ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="octavo-prepare")
     context = serving_context(async_engine, config, executor)
-    endpoints: dict[str, Endpoint] = {
-        CHAT_URL: OpenAIServingChat(
-            context, config.tool_serving, config.reasoning_parser
-        ).create_from_body,
-        COMPLETIONS_URL: OpenAIServingCompletion(context).create_from_body,
-    }
+    endpoints = batch_endpoints(async_engine, config, context)
     async_engine.start()
     limit = asyncio.Semaphore(2 * async_engine.engine.config.scheduler.max_num_seqs)
     done: dict[int, LineResult] = {}

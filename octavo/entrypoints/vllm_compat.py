@@ -192,9 +192,6 @@ DISPOSITIONS: dict[str, Disposition] = {
     ),
     "stream_interval": _no("octavo streams every token as it is sampled"),
     # --- model
-    "runner": _only(_is_in("auto", "generate"), "pooling models: " + API),
-    "convert": _only(_is_in("auto", "none"), "embedding and classification models: " + API),
-    "pooler_config": _refused("pooling models: " + API),
     "tokenizer_mode": _no(
         "octavo reads the model's tokenizer.json (or the GGUF's vocabulary) with the tokenizers "
         "library"

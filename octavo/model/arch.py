@@ -10,6 +10,7 @@ config code (model/config.py) and the converter read specs before any model exis
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -102,6 +103,13 @@ class ArchSpec:
     # Checkpoint tensor names -> octavo's module names, as (old, new) substrings replaced in
     # order (Mixtral's block_sparse_moe.experts.N.w1 is mlp.experts.N.gate_proj here).
     hf_renames: tuple[tuple[str, str], ...] = ()
+    # A pooling model's architecture (a decoder saved as its bare `*Model`, an encoder): how
+    # it pools by default (LAST, MEAN, CLS), which also makes it serve embeddings unless
+    # told otherwise; None: a generation model (which `--convert embed` can still pool).
+    default_pooling_type: str | None = None
+    # False for an encoder (BERT): bidirectional attention, each prompt run whole in one step,
+    # no KV cache reuse across steps.
+    is_causal: bool = True
 
 
 def _one_attention_bias(config: ModelConfig) -> dict[str, Any]:
@@ -320,6 +328,35 @@ SPECS: tuple[ArchSpec, ...] = (
         fused_decode_layer=True,
         moe="olmoe",
     ),
+)
+
+# The bare decoder stacks (transformers' AutoModel: no lm_head, tensor names without the
+# `model.` prefix), which vLLM serves as embedding models pooling the last token: the same
+# model class as their causal LM, loaded as an embedder.
+_BARE_DECODERS = {
+    "LlamaForCausalLM": "LlamaModel",
+    "MistralForCausalLM": "MistralModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
+SPECS += (
+    # BERT: an encoder with absolute positions and post-LN layers; pools its [CLS] token
+    # unless its sentence-transformers folder says otherwise.
+    ArchSpec(
+        name="BertModel",
+        model_type="bert",
+        model_class="octavo.model.bert:BertModel",
+        hf_config_extras=_not_written,
+        default_pooling_type="CLS",
+        is_causal=False,
+    ),
+)
+SPECS += tuple(
+    dataclasses.replace(
+        spec, name=_BARE_DECODERS[spec.name], gguf_name=None, default_pooling_type="LAST"
+    )
+    for spec in SPECS
+    if spec.name in _BARE_DECODERS
 )
 
 _BY_NAME = {spec.name: spec for spec in SPECS}

@@ -90,6 +90,17 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Pooling: the architecture's default pooling type where it is a pooling model (ArchSpec;
+    # None: a generation model), and Matryoshka embeddings (a request's `dimensions` may keep
+    # a prefix of the vector: any length where is_matryoshka, one of matryoshka_dimensions
+    # where the config lists them).
+    default_pooling_type: str | None = None
+    # An encoder's (BERT): attention sees the whole prompt both ways, and token types (only
+    # type 0 is used) have their own embeddings.
+    is_causal: bool = True
+    type_vocab_size: int = 0
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -159,7 +170,7 @@ class ModelConfig:
         architecture = architectures[0]
         spec = get_spec(architecture)
         hidden_act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
-        if hidden_act not in SUPPORTED_ACTIVATIONS:
+        if spec.is_causal and hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"hidden_act={hidden_act!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})."
@@ -187,7 +198,8 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            # An encoder's LayerNorm eps in the same field.
+            rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -202,6 +214,9 @@ class ModelConfig:
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
             sampling_defaults=_sampling_defaults(generation_config),
             **(_moe_fields(config, spec.moe) if spec.moe else {}),
+            **_pooling_fields(config, spec.default_pooling_type),
+            is_causal=spec.is_causal,
+            type_vocab_size=int(config.get("type_vocab_size", 0)) if not spec.is_causal else 0,
             **_attention_fields(config, num_layers, spec.model_type),
             **_scalar_fields(config, spec.model_type, hidden_size),
         )
@@ -478,6 +493,16 @@ def _moe_fields(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
         if kind == "qwen2"
         else 0,
         "dense_layers": tuple(i for i in range(layers) if i in only_dense or (i + 1) % step != 0),
+    }
+
+
+def _pooling_fields(config: Mapping[str, Any], default_pooling_type: str | None) -> dict[str, Any]:
+    """The pooling fields of a config.json (vLLM's is_matryoshka / matryoshka_dimensions)."""
+    dimensions = config.get("matryoshka_dimensions")
+    return {
+        "default_pooling_type": default_pooling_type,
+        "is_matryoshka": bool(dimensions) or bool(config.get("is_matryoshka", False)),
+        "matryoshka_dimensions": tuple(dimensions) if dimensions else None,
     }
 
 

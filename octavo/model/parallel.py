@@ -79,6 +79,8 @@ def incompatibility(config: ModelConfig, size: int) -> str | None:
             return f"its {count} {what} do not split evenly over {size} ranks"
     if config.num_experts:
         return "mixture-of-experts layers are not split across ranks yet"
+    if not config.is_causal:
+        return "an encoder (BERT) is not split across ranks yet"
     if config.qk_norm == "full":
         return "a norm over the whole q and k projections needs their every head on one rank"
     return None

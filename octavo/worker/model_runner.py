@@ -15,6 +15,11 @@ Logits are computed where a token is sampled, and, for a request that asked for 
 logprobs, at every prompt position of each of its chunks but the prompt's last (whose logits
 sample the first token). Those are scored chunk by chunk, keeping only the requested top-k on
 the host, gathered in order across the chunks, and returned once, beside the first token.
+
+A pooling request (a pooling model's) samples nothing: the final-norm hidden states of the
+positions its pooler reads (LAST: the prompt's last; MEAN: every one, summed chunk by chunk;
+CLS: the first) leave the model beside the sampled rows, and the step that computes its last
+prompt token returns its vector in ModelRunnerOutput.pooled (model/pooling.py).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.config import CacheConfig, SchedulerConfig
+from octavo.config import CacheConfig, PoolerConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, PromptTokenLogprobs, TokenLogprobs
 from octavo.core.scheduler_output import NewRequestData, SchedulerOutput
 from octavo.model.attention.layer import PagedAttention
@@ -36,6 +41,7 @@ from octavo.model.backends import ModelBackend
 from octavo.model.backends.base import AttentionPlan
 from octavo.model.config import ModelConfig
 from octavo.model.kv_cache import allocate_kv_cache
+from octavo.model.pooling import finish_pooling
 from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
 from octavo.sample.ops.allowed import banned_by_bad_words
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
@@ -69,6 +75,19 @@ class StepInputs:
     # (row, first position, number of positions) of the prompt positions whose logits score
     # the prompt token after them, for rows that asked for prompt logprobs.
     prompt_chunks: list[tuple[int, int, int]]
+    # Pooling rows: (row, number of hidden-state rows their pooler reads this step, whether
+    # this step computes the prompt's last token); those rows follow the prompt positions'.
+    pool_chunks: list[tuple[int, int, bool]]
+
+
+@dataclass(slots=True)
+class _PoolingState:
+    """One pooling request's pooler input so far, across its prompt chunks."""
+
+    dimensions: int | None
+    normalize: bool
+    # (hidden,) float32: the sum of the rows read so far (MEAN), or the one row (LAST, CLS).
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -81,11 +100,13 @@ class ModelRunner:
         backend: ModelBackend,
         reload_model: Callable[[], nn.Module] | None = None,
         logprobs_mode: str = "raw_logprobs",
+        pooler: PoolerConfig | None = None,
     ) -> None:
         """`model` was built and loaded with `backend` (model.loader.load_model);
         `reload_model` loads it again from its files (what wake_up needs after a sleep that
         released the weights; None: such a sleep is refused); `logprobs_mode` is the
-        sampler's (what reported logprobs are)."""
+        sampler's (what reported logprobs are); `pooler`: a pooling model's (how its pooling
+        requests are pooled; None: a generation model, whose requests all sample)."""
         self.model: nn.Module | None = model
         self.model_config = model_config
         self.backend = backend
@@ -117,6 +138,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Requests whose prompt logprobs are being gathered, and those of the chunks so far.
         self.prompt_logprobs: dict[str, PromptTokenLogprobs] = {}
+        self.pooler = pooler
+        # Pooling requests in the batch, and what their pooler has read so far.
+        self.pooling: dict[str, _PoolingState] = {}
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         cache = self._cache_config
@@ -185,9 +209,15 @@ class ModelRunner:
             inputs.logits_indices,
         )
         num_sampled = len(inputs.sample_rows)
-        self._score_prompts(hidden_states[num_sampled:], inputs, failed)
-        sampled = self._sample(hidden_states[:num_sampled], inputs, scheduler_output, failed)
-        return self._make_output(inputs, sampled, failed)
+        num_scored = num_sampled + sum(count for _, _, count in inputs.prompt_chunks)
+        self._score_prompts(hidden_states[num_sampled:num_scored], inputs, failed)
+        pooled = self._pool(hidden_states[num_scored:], inputs, failed)
+        sampled = (
+            self._sample(hidden_states[:num_sampled], inputs, scheduler_output, failed)
+            if num_sampled
+            else {}
+        )
+        return self._make_output(inputs, sampled, failed, pooled)
 
     # --- persistent batch -------------------------------------------------------------------
 
@@ -197,10 +227,12 @@ class ModelRunner:
             batch.remove(request_id)
             self.generators.pop(request_id, None)
             self.prompt_logprobs.pop(request_id, None)
+            self.pooling.pop(request_id, None)
         for request_id in scheduler_output.preempted_req_ids:
             batch.remove(request_id)
             # Recomputed from the first position on resume (if it has no token yet).
             self.prompt_logprobs.pop(request_id, None)
+            self.pooling.pop(request_id, None)
         for data in scheduler_output.scheduled_new_reqs:
             try:
                 self._add_request(data)
@@ -209,12 +241,23 @@ class ModelRunner:
                 batch.remove(data.request_id)
                 self.generators.pop(data.request_id, None)
                 self.prompt_logprobs.pop(data.request_id, None)
+                self.pooling.pop(data.request_id, None)
         for data in scheduler_output.scheduled_cached_reqs:
             row = batch.row_of[data.request_id]
             batch.append_block_ids(row, data.new_block_ids, data.new_group_block_ids)
             batch.num_computed_tokens[row] = data.num_computed_tokens
 
     def _add_request(self, data: NewRequestData) -> None:
+        if data.pooling_params is not None:
+            if self.pooler is None:
+                raise ValueError("a pooling request for a generation model")
+            params = data.pooling_params
+            self.pooling[data.request_id] = _PoolingState(
+                params.dimensions,
+                self.pooler.use_activation
+                if params.use_activation is None
+                else params.use_activation,
+            )
         seed = data.sampling_params.seed
         generator = self.generators.get(data.request_id)
         if generator is None and seed is not None:
@@ -240,6 +283,8 @@ class ModelRunner:
         query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
         prompt_chunks: list[tuple[int, int, int]] = []
         prompt_indices: list[np.ndarray] = []
+        pool_chunks: list[tuple[int, int, bool]] = []
+        pool_indices: list[np.ndarray] = []
         for row in scheduled_rows:
             start = int(batch.num_computed_tokens[row])
             end = start + num_scheduled[batch.rows[row].request_id]
@@ -259,11 +304,16 @@ class ModelRunner:
                 if last > start:
                     prompt_chunks.append((row, start, last - start))
                     prompt_indices.append(np.arange(last - start) + query_start_loc[-1])
+            if batch.rows[row].request_id in self.pooling:
+                rows = self._pooled_rows(start, end, int(batch.num_prompt_tokens[row]))
+                pool_chunks.append((row, len(rows), end >= batch.num_prompt_tokens[row]))
+                pool_indices.append(rows + query_start_loc[-1])
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             # Only a request whose every known token has been computed yields a new one;
-            # a prefill chunk that is not the last produces no sample.
-            if end >= batch.num_tokens[row]:
+            # a prefill chunk that is not the last produces no sample, and a pooling
+            # request none at all.
+            if end >= batch.num_tokens[row] and batch.rows[row].request_id not in self.pooling:
                 sample_rows.append(row)
                 logits_indices.append(query_start_loc[-1] - 1)
         max_blocks = max(int(batch.num_blocks[row]) for row in scheduled_rows)
@@ -297,11 +347,26 @@ class ModelRunner:
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
             logits_indices=self._to_device(
-                np.concatenate([np.asarray(logits_indices), *prompt_indices]).astype(np.int64)
+                np.concatenate([np.asarray(logits_indices), *prompt_indices, *pool_indices]).astype(
+                    np.int64
+                )
             ),
             seq_lens=seq_lens,
             prompt_chunks=prompt_chunks,
+            pool_chunks=pool_chunks,
         )
+
+    def _pooled_rows(self, start: int, end: int, num_prompt_tokens: int) -> np.ndarray:
+        """The rows of a chunk over positions start..end - 1 that the pooler reads, as offsets
+        into the chunk."""
+        assert self.pooler is not None
+        kind = self.pooler.pooling_type
+        if kind == "MEAN":
+            return np.arange(end - start)
+        if kind == "CLS":
+            return np.arange(1) if start == 0 else np.arange(0)
+        # LAST
+        return np.asarray([end - 1 - start]) if end >= num_prompt_tokens else np.arange(0)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -342,6 +407,36 @@ class ModelRunner:
                     state.request_id, exc, "computing prompt logprobs"
                 )
                 self.prompt_logprobs.pop(state.request_id, None)
+
+    # --- pooling ----------------------------------------------------------------------------
+
+    def _pool(
+        self, hidden_states: torch.Tensor, inputs: StepInputs, failed: dict[str, str]
+    ) -> dict[int, list[float]]:
+        """Row -> embedding for each pooling row whose prompt's last token this step computed;
+        the other pooling rows add this chunk's rows to what their pooler has read. A request
+        whose pooling raises is in `failed`."""
+        batch = self.input_batch
+        pooled: dict[int, list[float]] = {}
+        offset = 0
+        for row, count, is_last in inputs.pool_chunks:
+            rows, offset = hidden_states[offset : offset + count], offset + count
+            request_id = batch.rows[row].request_id
+            state = self.pooling[request_id]
+            try:
+                if count:
+                    chunk = rows.float().sum(dim=0)  # (hidden,)
+                    state.pooled = chunk if state.pooled is None else state.pooled + chunk
+                if is_last:
+                    vector = state.pooled
+                    assert vector is not None, "no hidden state was pooled"
+                    if self.pooler.pooling_type == "MEAN":
+                        vector = vector / int(batch.num_prompt_tokens[row])
+                    pooled[row] = finish_pooling(vector, state.dimensions, state.normalize).tolist()
+            except Exception as exc:
+                failed[request_id] = _failure(request_id, exc, "pooling")
+                self.pooling.pop(request_id, None)
+        return pooled
 
     # --- sampling ---------------------------------------------------------------------------
 
@@ -501,14 +596,18 @@ class ModelRunner:
         inputs: StepInputs,
         sampled: dict[int, tuple[int, TokenLogprobs | None]],
         failed: dict[str, str],
+        pooled: dict[int, list[float]],
     ) -> ModelRunnerOutput:
         batch = self.input_batch
         req_ids, sampled_token_ids, logprobs = [], [], []
         prompt_logprobs: dict[str, PromptTokenLogprobs] = {}
+        pooled_by_id: dict[str, list[float]] = {}
         for row, seq_len in zip(inputs.scheduled_rows, inputs.seq_lens):
             batch.num_computed_tokens[row] = seq_len
             request_id = batch.rows[row].request_id
             req_ids.append(request_id)
+            if row in pooled:
+                pooled_by_id[request_id] = pooled[row]
             if row in sampled and request_id in self.prompt_logprobs:
                 prompt_logprobs[request_id] = self.prompt_logprobs.pop(request_id)
             if row in sampled:
@@ -519,7 +618,9 @@ class ModelRunner:
             else:
                 sampled_token_ids.append([])
                 logprobs.append(None)
-        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, failed, prompt_logprobs)
+        return ModelRunnerOutput(
+            req_ids, sampled_token_ids, logprobs, failed, prompt_logprobs, pooled_by_id
+        )
 
 
 def _failure(request_id: str, exc: Exception, stage: str) -> str:

@@ -23,6 +23,7 @@ from octavo.model.loader import (
     load_model,
     read_generation_defaults,
     read_model_config,
+    read_st_pooling,
     resolve_hf_config_path,
     resolve_model_path,
     resolve_tokenizer_path,
@@ -59,6 +60,8 @@ class EngineFacts:
     generation_defaults: dict[str, Any] | None = None
     # The resolved --hf-config-path ("": the model's config.json).
     hf_config_path: str = ""
+    # A sentence-transformers folder's pooling (read_st_pooling; None: not one).
+    st_pooling: dict[str, Any] | None = None
 
 
 def bound_matmul_shape_caches() -> None:
@@ -100,6 +103,7 @@ def probe(args: EngineArgs) -> EngineFacts:
         tokenizer_path,
         generation_defaults,
         hf_config_path,
+        read_st_pooling(model_path),
     )
 
 
@@ -147,10 +151,13 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         TORCH_DTYPES[config.weight_dtype] if config.weight_dtype else None,
     )
     hf_config = HFConfigSource(config.hf_config_path, config.hf_overrides)
-    model, model_config = load_model(config.model, backend, config.quantization, tp, hf_config)
+    embed = config.is_pooling
+    model, model_config = load_model(
+        config.model, backend, config.quantization, tp, hf_config, embed
+    )
 
     def reload_model() -> nn.Module:
-        return load_model(config.model, backend, config.quantization, tp, hf_config)[0]
+        return load_model(config.model, backend, config.quantization, tp, hf_config, embed)[0]
 
     runner = ModelRunner(
         model,
@@ -160,5 +167,6 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         backend,
         reload_model if config.enable_sleep_mode else None,
         config.logprobs_mode,
+        config.pooler,
     )
     return runner, backend

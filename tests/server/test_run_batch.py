@@ -89,7 +89,7 @@ def test_results_in_input_order_with_per_line_errors() -> None:
     assert "not valid JSON" in broken["error"]["error"]["message"]
     assert temperature["error"]["error"]["param"] == "temperature"
     assert temperature["error"]["error"]["type"] == "invalid_request_error"
-    assert "/v1/embeddings" in embedding["error"]["error"]["message"]
+    assert "Embeddings API" in embedding["error"]["error"]["message"]
     assert get["error"]["error"]["param"] == "method"
     assert stream["error"]["error"]["param"] == "stream"
     assert model["error"]["error"]["code"] == "model_not_found"

@@ -66,6 +66,7 @@ from octavo.entrypoints.server.serving_common import ServingContext, check_model
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
 from octavo.entrypoints.server.serving_messages import AnthropicServingMessages
 from octavo.entrypoints.server.serving_responses import OpenAIServingResponses
+from octavo.entrypoints.server.serving_embedding import OpenAIServingEmbedding
 from octavo.entrypoints.server.tokenizer_info import tokenizer_info
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
@@ -276,6 +277,7 @@ def build_app(
     chat = OpenAIServingChat(context, config.tool_serving, config.reasoning_parser)
     responses = OpenAIServingResponses(context, chat, config.max_stored_responses)
     messages = AnthropicServingMessages(context, chat)
+    embeddings = OpenAIServingEmbedding(context)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -314,34 +316,78 @@ def build_app(
             allow_credentials=config.allow_credentials,
         )
 
-    @app.post("/v1/completions")
-    async def create_completion(raw_request: Request) -> Response:
-        return await completions.create(raw_request)
+    if engine_config.is_pooling:
+        # A pooling model serves embeddings only; the generation endpoints answer 404, as
+        # vLLM's (which does not route them for such a model).
+        @app.post("/v1/embeddings")
+        async def create_embedding(raw_request: Request) -> Response:
+            return await embeddings.create(raw_request)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(raw_request: Request) -> Response:
-        return await chat.create(raw_request)
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        @app.post("/v1/responses")
+        @app.post("/v1/messages")
+        async def no_generation(raw_request: Request) -> Response:
+            raise OpenAIError(
+                404,
+                f"The model does not support the {_api_name(raw_request)} API: it is served as "
+                "a pooling model (--runner pooling); POST /v1/embeddings.",
+            )
+    else:
 
-    @app.post("/v1/responses")
-    async def create_response(raw_request: Request) -> Response:
-        return await responses.create(raw_request)
+        @app.post("/v1/completions")
+        async def create_completion(raw_request: Request) -> Response:
+            return await completions.create(raw_request)
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, raw_request: Request) -> Response:
-        query = raw_request.query_params
-        return responses.retrieve(response_id, query.get("stream"), query.get("starting_after"))
+        @app.post("/v1/chat/completions")
+        async def create_chat_completion(raw_request: Request) -> Response:
+            return await chat.create(raw_request)
 
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> Response:
-        return await responses.cancel(response_id)
+        @app.post("/v1/responses")
+        async def create_response(raw_request: Request) -> Response:
+            return await responses.create(raw_request)
 
-    @app.post("/v1/messages")
-    async def create_message(raw_request: Request) -> Response:
-        return await messages.create(raw_request)
+        @app.get("/v1/responses/{response_id}")
+        async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+            query = raw_request.query_params
+            return responses.retrieve(response_id, query.get("stream"), query.get("starting_after"))
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(raw_request: Request) -> Response:
-        return await messages.count_tokens(raw_request)
+        @app.post("/v1/responses/{response_id}/cancel")
+        async def cancel_response(response_id: str) -> Response:
+            return await responses.cancel(response_id)
+
+        @app.post("/v1/messages")
+        async def create_message(raw_request: Request) -> Response:
+            return await messages.create(raw_request)
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_message_tokens(raw_request: Request) -> Response:
+            return await messages.count_tokens(raw_request)
+
+        @app.post("/v1/embeddings")
+        async def no_embeddings() -> Response:
+            raise OpenAIError(
+                404,
+                "The model does not support the Embeddings API: it is served as a generation "
+                "model; serve an embedding model, or this one with --runner pooling "
+                "(--convert embed).",
+            )
+
+    # vLLM's other pooling endpoints: octavo has no classification, scoring or reranking head.
+    @app.post("/pooling")
+    @app.post("/classify")
+    @app.post("/score")
+    @app.post("/v1/score")
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/v2/embed")
+    async def no_other_pooling(raw_request: Request) -> Response:
+        raise OpenAIError(
+            404,
+            f"{raw_request.url.path} is not supported by octavo: of vLLM's pooling endpoints "
+            "it serves /v1/embeddings only.",
+        )
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -471,6 +517,18 @@ def build_app(
             return Response(status_code=200)
 
     return app
+
+
+def _api_name(raw_request: Request) -> str:
+    path = raw_request.url.path
+    for suffix, name in (
+        ("chat/completions", "Chat Completions"),
+        ("/responses", "Responses"),
+        ("/messages", "Messages"),
+    ):
+        if path.endswith(suffix):
+            return name
+    return "Completions"
 
 
 def _add_sleep_routes(app: FastAPI, async_engine: AsyncEngine) -> None:

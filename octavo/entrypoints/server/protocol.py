@@ -48,6 +48,7 @@ REFUSED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (-1,),
     "stream_interval": (1,),
     "include_reasoning": (True,),
+    "padding": ("do_not_pad",),
     "documents": (),
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
@@ -472,3 +473,53 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- /v1/embeddings -------------------------------------------------------------------------
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request with vLLM 0.32's extras. `input` and `encoding_format` are
+    checked by the handler, which names them."""
+
+    model: str | None = None
+    # A text, texts, token ids, or lists of token ids.
+    input: Any = None
+    encoding_format: Any = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    priority: int = 0
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    # vLLM's, refused unless off: keeping the first tokens instead of the last, padding,
+    # the request's own id, prefix-cache salt, multimodal options.
+    truncation_side: Refused = None
+    padding: Refused = None
+    request_id: Refused = None
+    cache_salt: Refused = None
+    mm_processor_kwargs: Refused = None
+
+
+class EmbeddingResponseData(BaseModel):
+    index: int
+    object: str = "embedding"
+    # The floats, or their little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: EmbeddingUsage

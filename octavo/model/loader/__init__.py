@@ -36,6 +36,7 @@ from octavo.model.loader.hub import TOKENIZER_PATTERNS, looks_like_repo_id, snap
 from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import HFConfigSource, open_hf_checkpoint
 from octavo.model.parallel import TRIVIAL, TPGroup, shard_model
+from octavo.model.pooling import POOLING_TYPES, as_embedding_model, embedding_weights
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ __all__ = [
     "read_generation_defaults",
     "read_gguf_chat_template",
     "read_model_config",
+    "read_st_pooling",
     "resolve_hf_config_path",
     "resolve_model_path",
     "resolve_tokenizer_path",
@@ -136,6 +138,55 @@ def resolve_hf_config_path(
     return folder
 
 
+# sentence-transformers' module types (modules.json) that say how a folder pools.
+_ST_POOLING_TYPES = frozenset(
+    {
+        "sentence_transformers.models.Pooling",
+        "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+    }
+)
+_ST_NORMALIZE_TYPES = frozenset(
+    {
+        "sentence_transformers.models.Normalize",
+        "sentence_transformers.base.modules.normalize.Normalize",
+        "sentence_transformers.sentence_transformer.modules.normalize.Normalize",
+    }
+)
+
+
+def read_st_pooling(path: str) -> dict[str, Any] | None:
+    """What a sentence-transformers folder's modules.json says of its pooling, as
+    --pooler-config keys: `use_activation` (a Normalize module follows the pooling),
+    `pooling_type` (from its Pooling module's config.json: pooling_mode or the
+    pooling_mode_* flag set; lasttoken is LAST), absent where that says nothing octavo knows.
+    None for a file or a folder without modules.json."""
+    folder = Path(path)
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return None
+    modules = json.loads(modules_path.read_text())
+    config: dict[str, Any] = {
+        "use_activation": any(m.get("type") in _ST_NORMALIZE_TYPES for m in modules)
+    }
+    pooling = next((m for m in modules if m.get("type") in _ST_POOLING_TYPES), None)
+    pooling_path = folder / (pooling or {}).get("path", "") / "config.json"
+    if pooling is None or not pooling_path.is_file():
+        return config
+    for key, value in json.loads(pooling_path.read_text()).items():
+        if key == "pooling_mode" and isinstance(value, str):
+            name = value
+        elif key.startswith("pooling_mode_") and value is True:
+            name = key.removeprefix("pooling_mode_")
+        else:
+            continue
+        name = "LAST" if name.startswith("lasttoken") else name.split("_")[0].upper()
+        if name in POOLING_TYPES:
+            config["pooling_type"] = name
+        else:
+            config.setdefault("pooling_type", name)  # refused by config.resolve_runner
+    return config
+
+
 def read_model_config(path: str, hf_config: HFConfigSource | None = None) -> ModelConfig:
     """The ModelConfig of a checkpoint, without reading its weights (headers only). Raises
     ModelLoadError as load_model does."""
@@ -148,6 +199,7 @@ def load_model(
     quantization: str | None = None,
     tp: TPGroup = TRIVIAL,
     hf_config: HFConfigSource | None = None,
+    embed: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face folder (config.json and *.safetensors, sharded ones through
     model.safetensors.index.json) or a .gguf file (or a folder holding exactly one .gguf).
@@ -160,7 +212,9 @@ def load_model(
     ModelLoadError for a missing path, an unsupported architecture, RoPE type or GGUF tensor
     type, a truncated or corrupt file, missing or unexpected tensors, and a quantization (or
     an `hf_config`: a Hugging Face folder's config from elsewhere or with keys replaced) that
-    does not apply to the checkpoint. With a `tp` group of more than one rank, the loaded model
+    does not apply to the checkpoint. `embed`: the model is an embedder (a pooling runner's):
+    a causal LM without its head, its checkpoint's tensor names as model/pooling.py reads
+    them. With a `tp` group of more than one rank, the loaded model
     is cut to this rank's share (model/parallel.py) before its weights get their formats.
     """
     source = _existing(path)
@@ -172,6 +226,9 @@ def load_model(
         model = build_model(config, backend)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
+    if embed and hasattr(model, "lm_head"):
+        model = as_embedding_model(model)
+        weights = embedding_weights(weights)
     try:
         model.load_weights(weights)
     except ModelLoadError:
