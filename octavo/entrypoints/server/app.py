@@ -64,9 +64,9 @@ from octavo.entrypoints.server.request_body import parse_body, read_body
 from octavo.entrypoints.server.serving_chat import OpenAIServingChat
 from octavo.entrypoints.server.serving_common import ServingContext, check_model, prepare
 from octavo.entrypoints.server.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.server.serving_embedding import OpenAIServingEmbedding
 from octavo.entrypoints.server.serving_messages import AnthropicServingMessages
 from octavo.entrypoints.server.serving_responses import OpenAIServingResponses
-from octavo.entrypoints.server.serving_embedding import OpenAIServingEmbedding
 from octavo.entrypoints.server.tokenizer_info import tokenizer_info
 from octavo.entrypoints.server.tool_parsers.tool_choice import ToolServing, check_tools
 from octavo.metrics.prometheus import PrometheusStatLogger, stat_logger_for
