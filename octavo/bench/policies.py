@@ -136,6 +136,15 @@ class PolicyResult:
     elapsed_s: float
     num_steps: int
     num_output_tokens: int
+    # The samples behind the quantiles, so that runs over several seeds pool them.
+    freezes_s: tuple[float, ...] = field(default=(), repr=False)
+    ttfts_s: tuple[float, ...] = field(default=(), repr=False)
+
+    def summary(self) -> dict[str, object]:
+        """The fields but the samples (the JSON line)."""
+        fields = asdict(self)
+        del fields["freezes_s"], fields["ttfts_s"]
+        return fields
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -209,6 +218,8 @@ def run_policy(
         elapsed_s=elapsed_s,
         num_steps=num_steps,
         num_output_tokens=num_output_tokens,
+        freezes_s=tuple(freezes_s),
+        ttfts_s=tuple(ttfts),
     )
 
 
@@ -245,27 +256,32 @@ _TRACE_FIELDS = (
 )
 
 
-def median_result(results: list[PolicyResult]) -> PolicyResult:
-    """Each field's median over runs of one policy on different seeds (a freeze of a run that
-    evicted nothing counts as 0 s)."""
+def pooled_result(results: list[PolicyResult]) -> PolicyResult:
+    """One policy's runs on several seeds as one: the freeze and TTFT quantiles over every
+    request of every run (a p99 over one run's few evictions would be its maximum), the
+    other columns the median over the runs."""
 
     def median(values: list[float]) -> float:
         ordered = sorted(values)
         mid = len(ordered) // 2
         return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
-    fields = {}
-    for name in PolicyResult.__dataclass_fields__:
-        values = [getattr(r, name) for r in results]
-        if name == "policy":
-            fields[name] = values[0]
-        elif name.endswith("freeze_s"):
-            fields[name] = (
-                None if all(v is None for v in values) else median([v or 0.0 for v in values])
-            )
-        else:
-            fields[name] = type(values[0])(median(values))
-    return PolicyResult(**fields)
+    freezes = [f for r in results for f in r.freezes_s]
+    ttfts = [t for r in results for t in r.ttfts_s]
+    fields: dict[str, object] = {"policy": results[0].policy}
+    for name in ("output_tokens_per_s", "evicted_share", "redone_prefill_share", "elapsed_s"):
+        fields[name] = median([getattr(r, name) for r in results])
+    for name in ("num_preemptions", "num_steps", "num_output_tokens"):
+        fields[name] = round(median([getattr(r, name) for r in results]))
+    return PolicyResult(
+        **fields,
+        median_freeze_s=quantile(freezes, 0.5),
+        p99_freeze_s=quantile(freezes, 0.99),
+        median_ttft_s=quantile(ttfts, 0.5) or 0.0,
+        p99_ttft_s=quantile(ttfts, 0.99) or 0.0,
+        freezes_s=tuple(freezes),
+        ttfts_s=tuple(ttfts),
+    )
 
 
 def format_table(results: list[PolicyResult]) -> str:
@@ -336,8 +352,8 @@ def add_policies_bench_args(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=int,
         default=1,
-        help="replay this many traces (seeds dataset-seed, +1, ...) and print each column's "
-        "median over them",
+        help="replay this many traces (seeds dataset-seed, +1, ...): freeze and TTFT quantiles "
+        "over all their requests, the other columns the median over the traces",
     )
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument(
@@ -397,22 +413,18 @@ def run_policies_bench(ns: argparse.Namespace) -> int:
     print(
         f"trace {ns.trace}: {len(trace)} requests over {trace[-1].arrival_s:.1f} simulated s; "
         f"answer tokens median {answers[len(answers) // 2]}, max {answers[-1]}"
-        + (
-            f" (seed {ns.dataset_seed}; medians over {ns.seeds} seeds below)"
-            if ns.seeds > 1
-            else ""
-        )
+        + (f" (seed {ns.dataset_seed}; {ns.seeds} seeds pooled below)" if ns.seeds > 1 else "")
         + "; times are simulated seconds"
     )
     results = [
-        median_result([run_policy(t, policy, cache_config, scheduler_config, cost) for t in traces])
+        pooled_result([run_policy(t, policy, cache_config, scheduler_config, cost) for t in traces])
         for policy in ns.policies
     ]
     print(format_table(results))
     against = format_against_current(results)
     if against:
         print(against)
-    print(json.dumps({"policies": [asdict(r) for r in results]}))
+    print(json.dumps({"policies": [r.summary() for r in results]}))
     return 0
 
 
@@ -445,5 +457,5 @@ def _run_on_model(
     against = format_against_current(results)
     if against:
         print(against)
-    print(json.dumps({"policies": [asdict(r) for r in results]}))
+    print(json.dumps({"policies": [r.summary() for r in results]}))
     return 0

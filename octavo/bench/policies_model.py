@@ -102,4 +102,6 @@ def run_policy_on_model(
         elapsed_s=elapsed_s,
         num_steps=num_steps,
         num_output_tokens=num_output_tokens,
+        freezes_s=tuple(collector.freezes_s),
+        ttfts_s=tuple(collector.ttfts_s),
     )

@@ -382,7 +382,7 @@ class ForecastPolicy(AdmissionPolicy):
         self,
         watermark: float = 0.0,
         victim: VictimRule | None = None,
-        q_min: float = 0.6,
+        q_min: float = 0.5,
         q_step: float = 0.1,
         q_decay_steps: int = 200,
         window: int = 1000,

@@ -104,7 +104,7 @@ def test_cli_trace_preset_seeds_and_the_comparison_with_current(capsys) -> None:
     assert config["trace"] == "chat" and config["seeds"] == 3
     assert config["trace_config"]["max_tokens"] == 1024  # the preset's
     assert config["trace_config"]["num_requests"] == 40  # the override
-    assert "medians over 3 seeds" in out[1]
+    assert "3 seeds pooled" in out[1]
     assert out[5].split()[:2] == ["vs", "current"] and out[6].split()[0] == "forecast"
     medians = json.loads(out[-1])["policies"]
     # Each column is the median of the three runs.
@@ -120,3 +120,25 @@ def test_cli_trace_preset_seeds_and_the_comparison_with_current(capsys) -> None:
             )
         )
     assert medians[0]["output_tokens_per_s"] == sorted(r.output_tokens_per_s for r in runs)[1]
+
+
+def test_runs_over_seeds_pool_the_quantiles_and_take_medians_of_the_rest() -> None:
+    from octavo.bench.policies import PolicyResult, pooled_result
+
+    def result(tput: float, freezes: tuple[float, ...], ttfts: tuple[float, ...]) -> PolicyResult:
+        return PolicyResult(
+            "forecast", tput, 0.1, 3, None, None, 0.0, 0.0, 0.0, 10.0, 100, 1000, freezes, ttfts
+        )
+
+    runs = [
+        result(10.0, (1.0,), (0.1, 0.2)),
+        result(30.0, (), (0.3,)),
+        result(20.0, (5.0, 2.0), (0.4, 0.5)),
+    ]
+    pooled = pooled_result(runs)
+    assert pooled.output_tokens_per_s == 20.0  # the median run
+    # Over the three freezes of all runs: the median 2.0 and the largest, not a median of
+    # per-run maxima.
+    assert (pooled.median_freeze_s, pooled.p99_freeze_s) == (2.0, 5.0)
+    assert (pooled.median_ttft_s, pooled.p99_ttft_s) == (0.3, 0.5)
+    assert "freezes_s" not in pooled.summary()
