@@ -127,6 +127,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Why the engine could not run it (FINISHED_ERROR only).
         self.error: str | None = None
+        # Speculative decoding: tokens proposed to follow its next one, verified by the next
+        # step that schedules it (core/spec_decode.py); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
