@@ -671,6 +671,7 @@ class EngineArgs:
         "_max_spec_factor (README, Speculative decoding)",
         parse=json_object_flag("speculative_config"),
         metavar="JSON",
+        alias="-sc",
     )
     spec_method: str | None = setting(
         None, "speculative_config's method (vLLM's shorthand; not with the same key there)"
