@@ -1,8 +1,15 @@
 """Speculative decoding on the embedded model: the same greedy text with and without it, for
 each method, on prompts built so that proposals are often accepted (a passage to repeat) and
 often rejected (free text), in one mixed batch; penalties, logprobs, stop strings, max_tokens
-and n > 1 as without; seeded sampling independent of the batch; the metrics counted; nothing
-leaked."""
+and n > 1 as without; seeded sampling independent of the batch and of speculation; the
+metrics counted; nothing leaked.
+
+The engines run the float reference (packed_max_rows=0: weights dequantized to float32, torch
+matmuls). The packed GGML kernels quantize activations to 8 bits, so two equally valid orders
+of the same sums (a verification step's k + 1 rows against a decode's 1, one attention kernel
+against another) can round an activation to the next step and move logprobs by ~0.1 after a
+few tokens: with them, greedy text with and without speculation parts at the first such near
+tie (as it does between two attention backends without speculation)."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import pytest
 from octavo import SamplingParams
 from octavo.metrics.reader import Counter, Vector
 
-from .utils import assert_greedy_agrees, assert_no_leak
+from .utils import assert_no_leak
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +36,8 @@ PROMPTS = [f"Repeat this text exactly.\nText: {p}\nRepeated: {p}\nRepeated:" for
     "List five animals that live in the ocean:",
     "A good night's sleep is important because",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+FLOAT = {"packed_max_rows": 0}
 METHODS = {
     "ngram": {
         "method": "ngram",
@@ -55,26 +63,30 @@ def _spec_metrics(llm) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def reference(llm):
-    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+def float_llm(make_llm):
+    return make_llm(**FLOAT)
+
+
+@pytest.fixture(scope="module")
+def reference(float_llm):
+    return float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
 @pytest.fixture(scope="module", params=list(METHODS))
 def spec_llm(request, make_llm):
-    return make_llm(speculative_config=METHODS[request.param])
+    return make_llm(**FLOAT, speculative_config=METHODS[request.param])
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def test_greedy_text_is_the_same(spec_llm, reference) -> None:
-    """Token for token, up to a near tie where the verification step (layer by layer) and
-    the fused decode step round differently (assert_greedy_agrees)."""
     outputs = spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert_greedy_agrees(reference, outputs)
-    # The passages are repeated from their copy in the prompt: mostly the same token for token.
-    for ref, out in zip(reference[:4], outputs[:4]):
-        assert ref.outputs[0].token_ids[:16] == out.outputs[0].token_ids[:16]
+    assert _token_ids(outputs) == _token_ids(reference)
     for out in outputs:
         # Logprobs of each emitted token, the emitted token among them.
-        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids) == 64
+        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids) == 48
         for token_id, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
             assert token_id in entry
     metrics = _spec_metrics(spec_llm)
@@ -87,16 +99,15 @@ def test_greedy_text_is_the_same(spec_llm, reference) -> None:
     assert_no_leak(spec_llm)
 
 
-def test_sampling_features_work_as_without(spec_llm, llm) -> None:
+def test_sampling_features_work_as_without(spec_llm, float_llm) -> None:
     """Penalties change the greedy text the same way; stop strings cut it, max_tokens caps it,
     n > 1 gives n streams."""
     prompt = PROMPTS[:1]
     penalised = SamplingParams(
         temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2, repetition_penalty=1.3
     )
-    assert_greedy_agrees(
-        llm.generate(prompt, penalised, use_tqdm=False),
-        spec_llm.generate(prompt, penalised, use_tqdm=False),
+    assert _token_ids(spec_llm.generate(prompt, penalised, use_tqdm=False)) == _token_ids(
+        float_llm.generate(prompt, penalised, use_tqdm=False)
     )
     stop = spec_llm.generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=64, stop=["mill"]), use_tqdm=False
@@ -114,9 +125,12 @@ def test_sampling_features_work_as_without(spec_llm, llm) -> None:
     assert_no_leak(spec_llm)
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(spec_llm) -> None:
+def test_seeded_sampling_does_not_depend_on_the_batch(spec_llm, float_llm) -> None:
+    """Nor on speculation: the generator is wound back to the draws of the emitted tokens."""
     seeded = SamplingParams(temperature=0.7, seed=11, max_tokens=40, ignore_eos=True)
     alone = spec_llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    without = float_llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == without
     others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
     batch = spec_llm.generate(PROMPTS, [others, seeded, *[others] * 6], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
