@@ -59,10 +59,12 @@ def format_line(now: SpecDecodingStats, before: SpecDecodingStats, elapsed_s: fl
         / num_drafts
         for i, pos_now in enumerate(now.num_accepted_tokens_per_pos)
     ]
+    # A line right after the first snapshot has no time to divide by.
+    per_s = 1 / elapsed_s if elapsed_s > 0 else 0.0
     return (
         f"SpecDecoding metrics: Mean acceptance length: {1 + num_accepted / num_drafts:.2f}, "
-        f"Accepted throughput: {num_accepted / elapsed_s:.2f} tokens/s, "
-        f"Drafted throughput: {num_draft_tokens / elapsed_s:.2f} tokens/s, "
+        f"Accepted throughput: {num_accepted * per_s:.2f} tokens/s, "
+        f"Drafted throughput: {num_draft_tokens * per_s:.2f} tokens/s, "
         f"Accepted: {num_accepted} tokens, Drafted: {num_draft_tokens} tokens, "
         f"Per-position acceptance rate: {', '.join(f'{rate:.3f}' for rate in per_pos)}, "
         f"Avg Draft acceptance rate: {100 * num_accepted / max(num_draft_tokens, 1):.1f}%"
