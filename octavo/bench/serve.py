@@ -46,9 +46,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument(
-        "--prompt-format", choices=["tokens", "text", "grounded"], default="tokens"
-    )
+    parser.add_argument("--prompt-format", choices=["tokens", "text", "grounded"], default="tokens")
     parser.add_argument(
         "--vocab-size", type=int, default=49152, help="random token ids are drawn below this"
     )
