@@ -62,6 +62,21 @@ PROFILER_CONFIG_DEFAULTS: dict[str, Any] = {
     "torch_profiler_record_shapes": False,
     "torch_profiler_with_memory": False,
 }
+# speculative_config (vLLM's SpeculativeConfig): the methods and the fields octavo takes.
+SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_FIELDS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    "min_acceptance_rate",
+    "rejection_sample_method",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+)
 PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
@@ -237,6 +252,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config, resolved by resolve_speculative_config):
+    how proposals are made and when they are not (core/spec_decode.py makes them)."""
+
+    # SPECULATIVE_METHODS: ngram (prompt lookup in the request's own tokens) or suffix (the
+    # same over earlier requests' outputs too).
+    method: str
+    # Most proposed tokens a request verifies per step.
+    num_speculative_tokens: int
+    # The n-gram lengths looked up, longest first (ngram); suffix matches from the min on.
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    # A step with this many running requests or more runs no proposal (vLLM v0's name);
+    # None: never switched off by batch size.
+    disable_by_batch_size: int | None = None
+    # A request whose share of accepted proposed tokens, over its recent proposals, falls
+    # below this stops proposing for a while (octavo's; 0: never).
+    min_acceptance_rate: float = 0.1
+    # suffix: the longest match plus proposal, the earlier requests cached (FIFO eviction),
+    # and the proposal's cap as a multiple of the match length (vLLM's names).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     """What the model backend may use (model/backends/select.py decides the rest)."""
 
@@ -319,6 +360,9 @@ class EngineConfig:
     @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling"
+
+    # Speculative decoding; None: off.
+    speculative: SpeculativeConfig | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -729,6 +773,28 @@ class EngineArgs:
         parse=json_object_flag("pooler_config"),
         metavar="JSON",
     )
+    speculative_config: dict[str, Any] | None = setting(
+        None,
+        'speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram or suffix, '
+        "num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size, "
+        "min_acceptance_rate, suffix_decoding_max_tree_depth / _max_cached_requests / "
+        "_max_spec_factor (README, Speculative decoding)",
+        parse=json_object_flag("speculative_config"),
+        metavar="JSON",
+        alias="-sc",
+    )
+    spec_method: str | None = setting(
+        None, "speculative_config's method (vLLM's shorthand; not with the same key there)"
+    )
+    spec_model: str | None = setting(
+        None, "speculative_config's model (vLLM's shorthand; not with the same key there)"
+    )
+    spec_tokens: int | None = setting(
+        None,
+        "speculative_config's num_speculative_tokens (vLLM's shorthand; not with the same "
+        "key there)",
+    )
     data_parallel_size: int = setting(
         1,
         "engine-core processes, each with its own scheduler and KV pool, behind one API "
@@ -807,6 +873,13 @@ class EngineArgs:
         if isinstance(self.profiler_config, str):  # LLM(...) may pass vLLM's JSON
             self.profiler_config = json_object(self.profiler_config, "profiler_config")
         resolve_profiler_config(self.profiler_config, {})  # a bad key fails here
+        if isinstance(self.speculative_config, str):  # LLM(...) may pass vLLM's JSON
+            self.speculative_config = json_object(self.speculative_config, "speculative_config")
+        self.speculative_config = _merge_spec_flags(
+            self.speculative_config, self.spec_method, self.spec_model, self.spec_tokens
+        )
+        self.spec_method = self.spec_model = self.spec_tokens = None
+        resolve_speculative_config(self.speculative_config)  # a bad field fails here
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(
@@ -1047,6 +1120,7 @@ class EngineArgs:
             runner=runner,
             convert=convert,
             pooler=pooler,
+            speculative=resolve_speculative_config(self.speculative_config),
         )
 
     def _sampling_defaults(
@@ -1277,6 +1351,121 @@ def resolve_profiler_config(
         os.path.expanduser(str(settings["torch_profiler_dir"]))
     )
     return settings
+
+
+def _merge_spec_flags(
+    given: dict[str, Any] | None, method: str | None, model: str | None, tokens: int | None
+) -> dict[str, Any] | None:
+    """vLLM's --spec-method / --spec-model / --spec-tokens folded into speculative_config;
+    ValueError where one repeats a key the JSON has."""
+    for flag, key, value in (
+        ("spec_method", "method", method),
+        ("spec_model", "model", model),
+        ("spec_tokens", "num_speculative_tokens", tokens),
+    ):
+        if value is None:
+            continue
+        given = {} if given is None else dict(given)
+        if key in given:
+            raise ValueError(f"{flag} and speculative_config's {key!r} are mutually exclusive.")
+        given[key] = value
+    return given
+
+
+def _positive_int(given: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    value = given.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def _rate(given: Mapping[str, Any], key: str, default: float, upper: float | None) -> float:
+    value = given.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"speculative_config: {key} must be a number >= 0, got {value!r}.")
+    if upper is not None and value > upper:
+        raise ValueError(f"speculative_config: {key} must be <= {upper}, got {value!r}.")
+    return float(value)
+
+
+def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """vLLM's speculative_config as octavo runs it; None for none. ValueError naming the
+    field for one octavo does not take (SPECULATIVE_FIELDS lists those it does), a method
+    other than SPECULATIVE_METHODS, or a value out of range. Defaults are vLLM's: ngram looks
+    up 5-grams; suffix proposes up to suffix_decoding_max_tree_depth tokens."""
+    if given is None:
+        return None
+    given = {str(key).replace("-", "_"): value for key, value in given.items()}
+    unknown = sorted(set(given) - set(SPECULATIVE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config: {', '.join(unknown)} not supported (octavo takes "
+            f"{', '.join(SPECULATIVE_FIELDS)})."
+        )
+    method, model = given.get("method"), given.get("model")
+    if model in ("ngram", "[ngram]") and method in (None, "ngram", "[ngram]"):
+        method = "ngram"
+    elif model is not None:
+        raise ValueError(
+            f"speculative_config: model {model!r}: draft models (method draft_model) are not "
+            "supported yet (issue 29); use method ngram or suffix."
+        )
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}"
+            f"{' (draft_model is not supported yet, issue 29)' if method == 'draft_model' else ''}"
+            f"; got {method!r}."
+        )
+    if given.get("rejection_sample_method", "standard") != "standard":
+        raise ValueError(
+            "speculative_config: rejection_sample_method must be 'standard' (the exact "
+            f"rejection sampler); got {given['rejection_sample_method']!r}."
+        )
+    depth = _positive_int(given, "suffix_decoding_max_tree_depth", 24)
+    default_tokens = depth if method == "suffix" else None
+    num_tokens = _positive_int(given, "num_speculative_tokens", default_tokens)
+    if num_tokens is None:
+        raise ValueError("speculative_config: num_speculative_tokens is required for ngram.")
+    lookup_min = _positive_int(given, "prompt_lookup_min", None)
+    lookup_max = _positive_int(given, "prompt_lookup_max", None)
+    if lookup_min is None and lookup_max is None:
+        lookup_min = lookup_max = 5 if method == "ngram" else 2
+        if method == "suffix":
+            lookup_max = depth
+    lookup_min = lookup_min or lookup_max
+    lookup_max = lookup_max or lookup_min
+    if lookup_min > lookup_max:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min={lookup_min} must be <= "
+            f"prompt_lookup_max={lookup_max}."
+        )
+    disable_by_batch_size = _positive_int(given, "disable_by_batch_size", None)
+    cached = given.get("suffix_decoding_max_cached_requests", 10000)
+    if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+        raise ValueError(
+            "speculative_config: suffix_decoding_max_cached_requests must be an integer "
+            f">= 0, got {cached!r}."
+        )
+    spec_factor = _rate(given, "suffix_decoding_max_spec_factor", 1.0, None)
+    if spec_factor <= 0:
+        raise ValueError(
+            f"speculative_config: suffix_decoding_max_spec_factor must be > 0, got {spec_factor}."
+        )
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=num_tokens,
+        prompt_lookup_min=lookup_min,
+        prompt_lookup_max=lookup_max,
+        disable_by_batch_size=disable_by_batch_size,
+        min_acceptance_rate=_rate(given, "min_acceptance_rate", 0.1, 1.0),
+        suffix_decoding_max_tree_depth=depth,
+        suffix_decoding_max_cached_requests=cached,
+        suffix_decoding_max_spec_factor=spec_factor,
+    )
 
 
 def _default_name(model: str | None) -> str:

@@ -137,10 +137,10 @@ def test_parallel_sizes_of_one_pass_and_more_are_refused_naming_the_issue():
 
 def test_refused_flags_stop_the_server_with_one_message(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--speculative-config", "{}", "--enable-lora"])
+        main(["serve", "--kv-transfer-config", "{}", "--enable-lora"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--speculative-config {}: not supported (issue 29" in err
+    assert "--kv-transfer-config {}: not supported (KV transfer" in err
     assert "--enable-lora: not supported (LoRA adapters" in err
 
 

@@ -7,7 +7,11 @@ chunks after its first token (the stall a user sees). Prints the configuration f
 with one JSON line.
 
 Prompts are random token ids (exact input lengths; the server must accept token-id prompts, as
-vLLM and octavo do) or random words (`--prompt-format text`, for servers that take text only).
+vLLM and octavo do), random words (`--prompt-format text`, for servers that take text only), or
+input-grounded tasks (`--prompt-format grounded`): a passage of `--input-len` words and an
+instruction to repeat it or to edit it lightly, so that answers copy long spans of the prompt,
+the workload speculative decoding's n-gram and suffix proposals are for (compare TPOT with and
+without `--speculative-config` on the server).
 Must not: import the engine; it measures a server over HTTP and nothing else.
 """
 
@@ -42,7 +46,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
+    parser.add_argument("--prompt-format", choices=["tokens", "text", "grounded"], default="tokens")
     parser.add_argument(
         "--vocab-size", type=int, default=49152, help="random token ids are drawn below this"
     )
@@ -72,8 +76,30 @@ class RequestResult:
         return (self.e2el_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
+# --prompt-format grounded: what each prompt asks of its passage (answers copy the passage).
+GROUNDED_TASKS = (
+    "Repeat the passage above exactly, word for word.",
+    "Rewrite the passage above with every sentence in the same order, replacing the word "
+    "'time' with 'moment' and changing nothing else.",
+    "Copy the passage above, then add one sentence at its end.",
+)
+
+
+def grounded_prompt(rng: random.Random, num_words: int) -> str:
+    """A passage of about num_words words in short sentences, then a task from GROUNDED_TASKS."""
+    sentences, count = [], 0
+    while count < num_words:
+        words = [rng.choice(_WORDS) for _ in range(rng.randrange(6, 12))]
+        sentences.append(" ".join(words).capitalize() + ".")
+        count += len(words)
+    passage = " ".join(sentences)
+    return f"Passage:\n{passage}\n\n{rng.choice(GROUNDED_TASKS)}\n\nAnswer:\n"
+
+
 def make_prompts(ns: argparse.Namespace) -> list[list[int] | str]:
     rng = random.Random(ns.dataset_seed)
+    if ns.prompt_format == "grounded":
+        return [grounded_prompt(rng, ns.input_len) for _ in range(ns.num_prompts)]
     if ns.prompt_format == "text":
         return [
             " ".join(rng.choice(_WORDS) for _ in range(ns.input_len)) for _ in range(ns.num_prompts)

@@ -134,6 +134,9 @@ class Request:
         self.error: str | None = None
         # A pooling request's vector, once the runner has pooled its prompt.
         self.pooled: list[float] | None = None
+        # Speculative decoding: tokens proposed to follow its next one, verified by the next
+        # step that schedules it (core/spec_decode.py); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

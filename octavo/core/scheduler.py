@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from octavo.config import CacheConfig, SchedulerConfig
+from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.admission import (
     AdmissionCandidate,
     AdmissionPolicy,
@@ -31,7 +31,8 @@ from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from octavo.core.request import FinishReason, Request, RequestStatus
 from octavo.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from octavo.metrics.stats import KVBlockEvent, SchedulerStats
+from octavo.core.spec_decode import SpecDecoder
+from octavo.metrics.stats import KVBlockEvent, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,16 @@ class _StepPlan:
     token_budget: int
     # Whether prompt chunks are capped at the long-prefill threshold (streams are decoding).
     cap_prompts: bool = False
+    # Whether decoding requests verify their proposed tokens in this step.
+    speculate: bool = False
     new_reqs: list[Request] = field(default_factory=list)
     running_reqs: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Block ids appended this step to each scheduled running request.
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The proposed tokens each scheduled request verifies (those that fit the budget).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def add_running(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         self._add(request, num_new_tokens)
@@ -71,6 +76,7 @@ class _StepPlan:
         self.token_budget += num_new_tokens
         self.running_reqs.remove(request)
         del self.new_block_ids[request.request_id]
+        self.spec_token_ids.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -79,7 +85,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         policy: AdmissionPolicy | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
+        """`speculative_config`: proposals made after each step (SpecDecoder) and verified in
+        the next; None: none."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
@@ -108,6 +117,7 @@ class Scheduler:
         # Finished or aborted since the last schedule(), among those the runner holds.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec = SpecDecoder(speculative_config) if speculative_config else None
 
     # --- requests in and out ------------------------------------------------------------------
 
@@ -143,6 +153,8 @@ class Scheduler:
                 self.finished_req_ids.add(request_id)
             self.kv_cache_manager.free(request)
             request.status = RequestStatus.FINISHED_ABORTED
+            if self.spec is not None:
+                self.spec.finish(request)
             aborted.append(request)
         if aborted:
             self.running = [r for r in self.running if not r.is_finished]
@@ -158,7 +170,10 @@ class Scheduler:
         (KV in the cache) catching up with `num_tokens` (prompt + output so far); a step gives
         it up to the difference, within one token budget (`max_num_batched_tokens`) shared by
         every request. A request with all but one token computed is decoding and runs 1
-        token; any other runs a prompt chunk (or a recomputation after preemption).
+        token, or 1 + its proposed tokens (speculative decoding) when the step verifies
+        them; any other runs a prompt chunk (or a recomputation after preemption). Proposed
+        tokens count against the budget and get KV slots like any other; `update` rolls back
+        those rejected.
 
         1) RUNNING requests, oldest first. One that cannot get a block preempts the policy's
            victim (under the priority policy: the least important, latest request) until it
@@ -174,6 +189,7 @@ class Scheduler:
         # The long-prefill cap protects streams that are decoding (a step's time grows with the
         # prompt tokens it carries); a step without them takes prompts whole, oldest first.
         plan.cap_prompts = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        plan.speculate = self.spec is not None and self.spec.allows_step(len(self.running))
         self._schedule_running(plan)
         # A preemption says memory is short: admitting now would only preempt again.
         if not plan.preempted_req_ids:
@@ -181,7 +197,9 @@ class Scheduler:
         self.policy.observe_step(self.running, len(plan.preempted_req_ids))
         output = self._make_output(plan)
         for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new_tokens
+            request.spec_token_ids = []  # verified now, or left out of this step
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -191,12 +209,16 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, plan)
+            num_remaining = request.num_tokens - request.num_computed_tokens
+            drafts = request.spec_token_ids if plan.speculate and num_remaining == 1 else []
+            num_new_tokens = self._chunk(num_remaining + len(drafts), plan)
             if num_new_tokens <= 0:
                 continue
             block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if block_ids is not None:
                 plan.add_running(request, num_new_tokens, block_ids)
+                if drafts and num_new_tokens > 1:
+                    plan.spec_token_ids[request.request_id] = drafts[: num_new_tokens - 1]
 
     def _chunk(self, num_remaining: int, plan: _StepPlan) -> int:
         """Tokens a request runs this step: what it has left, within the step's budget and,
@@ -231,6 +253,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if self.by_priority:
@@ -316,6 +339,7 @@ class Scheduler:
             preempted_req_ids=set(plan.preempted_req_ids),
             finished_req_ids=finished_req_ids,
             structured_output_req_ids=self._structured_output_req_ids(plan),
+            scheduled_spec_decode_tokens=dict(plan.spec_token_ids),
         )
 
     def _structured_output_req_ids(self, plan: _StepPlan) -> list[str]:
@@ -347,6 +371,12 @@ class Scheduler:
         none. A pooling request gets no token: the step that computed its last prompt token
         returns its vector (`runner_output.pooled`), and it ends there as STOPPED. Requests
         aborted since `schedule()` are skipped.
+
+        Speculative decoding: a request that verified k proposed tokens gets the a accepted
+        ones and one more (a + 1 <= k + 1 tokens); the KV of the k - a rejected positions is
+        given up by rolling `num_computed_tokens` back (their slots stay with the request's
+        blocks, to be overwritten; no block holding them was cached, since only known tokens
+        are). Then each request still running gets its next proposal.
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
@@ -371,6 +401,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not token_ids or request is None or request.status != RequestStatus.RUNNING:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._roll_back_rejected(request, len(drafts), len(token_ids) - 1)
             new_token_ids = self._append_tokens(request, token_ids)
             if request.status == RequestStatus.FINISHED_ERROR:
                 # The token the grammar rejected is not part of the answer.
@@ -380,8 +413,13 @@ class Scheduler:
             if request.is_finished:
                 self._finish(request)
                 finished_any = True
-            elif self.enable_caching:
-                extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            else:
+                if self.enable_caching:
+                    extend_block_hashes(
+                        request.block_hashes, request.all_token_ids, self.block_size
+                    )
+                if self.spec is not None:
+                    self._propose(request)
             finish_reason = request.finish_reason
             outputs.append(
                 EngineCoreOutput(
@@ -397,6 +435,34 @@ class Scheduler:
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Forget the KV of the proposed tokens that were rejected.
+
+        ```
+        before the step:  | computed ... | last | d_1 ... d_a | d_a+1 ... d_k |
+        computed after:   |<------ num_computed_tokens ------>|  rejected     |
+        tokens appended:                 | d_1 ... d_a, t |
+        ```
+        """
+        assert self.spec is not None and 0 <= num_accepted <= num_drafts, request
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec.record(request.request_id, num_drafts, num_accepted)
+
+    def _propose(self, request: Request) -> None:
+        """The request's next proposal: none for a structured-output request (its grammar
+        would have to check each proposed token), in a batch too large to speculate, or where
+        max_tokens or max_model_len leave room for the next token only."""
+        assert self.spec is not None
+        request.spec_token_ids = []
+        if request.grammar is not None or not self.spec.allows_step(len(self.running)):
+            return
+        room = min(
+            request.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        if room > 1:
+            request.spec_token_ids = self.spec.propose(request, room - 1)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append tokens one by one until a stop; returns those appended."""
@@ -470,6 +536,8 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.finish(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -511,6 +579,18 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks,
+            spec_decoding=(
+                None
+                if self.spec is None
+                else SpecDecodingStats(
+                    num_drafts=self.spec.counters.num_drafts,
+                    num_draft_tokens=self.spec.counters.num_draft_tokens,
+                    num_accepted_tokens=self.spec.counters.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=tuple(
+                        self.spec.counters.num_accepted_tokens_per_pos
+                    ),
+                )
+            ),
         )
 
     def check_integrity(self) -> None:

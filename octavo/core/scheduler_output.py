@@ -55,7 +55,8 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
-    # request_id -> tokens run this step (a decode is 1, a prefill chunk is its length).
+    # request_id -> tokens run this step (a decode is 1, or 1 + its proposed tokens; a
+    # prefill chunk is its length).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the runner must drop from its batch: preempted this step (they come back later
@@ -65,6 +66,10 @@ class SchedulerOutput:
     # Structured-output requests that sample a token this step (their last known token is
     # computed by it), in scheduling order; a mid-prompt chunk is not among them.
     structured_output_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: request_id -> the proposed tokens it verifies this step, which
+    # follow its last known token in its num_scheduled_tokens (1 + their number). The runner
+    # returns up to 1 + their number tokens for it (those accepted, then one more).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Filled by the engine between schedule and execute: (len(structured_output_req_ids),
     # ceil(vocab / 32)) int32, row i the allowed-token bits of request i (bit t % 32 of word
     # t // 32 set = token t allowed). None when no structured request samples this step.

@@ -118,7 +118,9 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.model_runner = model_runner
-        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, speculative_config=config.speculative
+        )
         self.structured_output = StructuredOutputManager(
             tokenizer,
             model_runner.vocab_size,

@@ -71,6 +71,7 @@ from octavo.engine.llm_engine import (
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
+from octavo.metrics.spec_decode_log import SpecDecodingLogger
 from octavo.metrics.stats import SchedulerStats, StatLogger
 from octavo.structured_output import StructuredOutputManager
 from octavo.worker.device import split_cpus
@@ -202,6 +203,8 @@ class MPEngine:
         self.stat_loggers: list[StatLogger] = []
         if self.config.request_log is not None:
             self.stat_loggers.append(RequestLogWriter(self.config.request_log))
+        if self.config.speculative is not None:
+            self.stat_loggers.append(SpecDecodingLogger())
         self.lock = threading.RLock()
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}

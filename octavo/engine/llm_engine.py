@@ -41,6 +41,7 @@ from octavo.engine.input_processor import (
 from octavo.engine.output_processor import OutputKind, OutputProcessor, ProcessedOutputs
 from octavo.engine.outputs import PoolingRequestOutput, RequestOutput
 from octavo.metrics.request_log import RequestLogWriter
+from octavo.metrics.spec_decode_log import SpecDecodingLogger
 from octavo.metrics.stats import IterationStats, SchedulerStats, StatLogger
 from octavo.worker.model_runner import ModelRunner
 
@@ -76,6 +77,8 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = []
         if config.request_log is not None:
             self.stat_loggers.append(RequestLogWriter(config.request_log))
+        if config.speculative is not None:
+            self.stat_loggers.append(SpecDecodingLogger())
 
     # The core's parts, for callers (benchmarks, tests) that look inside the engine.
     @property

@@ -27,7 +27,12 @@ from octavo.core.pooling_params import PoolingParams
 from octavo.core.request import FinishReason, ResolvedParams
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.engine.core import EngineCoreRequest
-from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from octavo.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 
 def pack(message: list[Any]) -> bytes:
@@ -168,4 +173,11 @@ def encode_scheduler_stats(stats: SchedulerStats) -> dict[str, Any]:
 
 
 def decode_scheduler_stats(encoded: dict[str, Any]) -> SchedulerStats:
+    spec = encoded.get("spec_decoding")
+    if spec is not None:
+        per_pos = tuple(spec.pop("num_accepted_tokens_per_pos"))
+        encoded = {
+            **encoded,
+            "spec_decoding": SpecDecodingStats(**spec, num_accepted_tokens_per_pos=per_pos),
+        }
     return SchedulerStats(**encoded)

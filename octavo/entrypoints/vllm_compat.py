@@ -38,7 +38,6 @@ SCALE_OUT = (
     "parallelism, on one machine or over Ray), and no issue plans it yet"
 )
 API = "issue 28 (the rest of vLLM's serving API)"
-SPECULATIVE = "issue 29 (speculative decoding)"
 NOT_PLANNED = "not implemented, and no issue plans it yet"
 
 
@@ -267,10 +266,6 @@ DISPOSITIONS: dict[str, Disposition] = {
         "reasoning parser plugins: octavo runs no plugin code; --reasoning-parser takes "
         "qwen3 or deepseek_r1"
     ),
-    "speculative_config": _refused(SPECULATIVE),
-    "spec_method": _refused(SPECULATIVE),
-    "spec_model": _refused(SPECULATIVE),
-    "spec_tokens": _refused(SPECULATIVE),
     "watermark_config": _refused("output watermarking: " + NOT_PLANNED),
     "diffusion_config": _refused("diffusion models: " + NOT_PLANNED),
     "kv_transfer_config": _refused("KV transfer between instances: " + NOT_PLANNED),

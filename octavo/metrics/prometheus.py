@@ -38,6 +38,7 @@ from octavo.metrics.stats import (
     FinishedRequestStats,
     IterationStats,
     SchedulerStats,
+    SpecDecodingStats,
 )
 
 if TYPE_CHECKING:
@@ -213,8 +214,11 @@ class PrometheusStatLogger:
         cache_info: dict[str, str] | None = None,
         num_engines: int = 1,
         kv_cache_metrics: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
-        """cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
+        """num_speculative_tokens: with speculative decoding, the most proposed tokens per
+        step (the vllm:spec_decode_* families are declared, one position label per token).
+        cache_info: the KV cache's settings as vllm:cache_config_info labels (block_size,
         num_gpu_blocks, cache_dtype, enable_prefix_caching, ...), the same for every engine.
         kv_cache_metrics: export the sampled KV blocks' residency histograms (vLLM's
         --kv-cache-metrics; the engines' pools sample the blocks)."""
@@ -250,6 +254,7 @@ class PrometheusStatLogger:
                 max_model_len,
                 cache_info,
                 kv_cache_metrics,
+                num_speculative_tokens,
             )
             for index in range(num_engines)
         ]
@@ -289,6 +294,9 @@ def stat_logger_for(config: EngineConfig, num_engines: int = 1) -> PrometheusSta
         },
         num_engines=num_engines,
         kv_cache_metrics=cache.kv_cache_metrics_sample > 0,
+        num_speculative_tokens=(
+            config.speculative.num_speculative_tokens if config.speculative else 0
+        ),
     )
 
 
@@ -302,6 +310,7 @@ class _EngineMetrics:
         max_model_len: int,
         cache_info: dict[str, str] | None,
         kv_cache_metrics: bool,
+        num_speculative_tokens: int = 0,
     ) -> None:
         def gauge(name: str, documentation: str) -> Gauge:
             return family(Gauge, name, documentation, LABEL_NAMES).labels(**labels)
@@ -538,6 +547,11 @@ class _EngineMetrics:
         self._last_num_preemptions = 0
         self._last_prefix_cache_queries = 0
         self._last_prefix_cache_hits = 0
+        self.spec_decode = (
+            _SpecDecodeMetrics(family, labels, num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
 
     def record(
         self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None
@@ -570,6 +584,8 @@ class _EngineMetrics:
         self._last_num_preemptions = stats.num_preemptions
         self._last_prefix_cache_queries = stats.prefix_cache_queries
         self._last_prefix_cache_hits = stats.prefix_cache_hits
+        if self.spec_decode is not None and stats.spec_decoding is not None:
+            self.spec_decode.record(stats.spec_decoding)
 
     def _record_iteration(self, iteration: IterationStats) -> None:
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
@@ -629,3 +645,44 @@ class _EngineMetrics:
             )
         if finished.num_generation_tokens >= 2:
             self.request_max_token_gap.observe(finished.max_token_gap_s)
+
+
+class _SpecDecodeMetrics:
+    """vLLM's speculative decoding counters of one engine, fed from its cumulative counts."""
+
+    def __init__(
+        self, family: Callable[..., Any], labels: dict[str, str], num_speculative_tokens: int
+    ) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return family(Counter, name, documentation, LABEL_NAMES).labels(**labels)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_pos = family(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABEL_NAMES, "position"],
+        )
+        self.num_accepted_tokens_per_pos = [
+            per_pos.labels(**labels, position=str(pos)) for pos in range(num_speculative_tokens)
+        ]
+        self._last = SpecDecodingStats(num_accepted_tokens_per_pos=(0,) * num_speculative_tokens)
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        last = self._last
+        self.num_drafts.inc(max(stats.num_drafts - last.num_drafts, 0))
+        self.num_draft_tokens.inc(max(stats.num_draft_tokens - last.num_draft_tokens, 0))
+        self.num_accepted_tokens.inc(max(stats.num_accepted_tokens - last.num_accepted_tokens, 0))
+        for series, now, before in zip(
+            self.num_accepted_tokens_per_pos,
+            stats.num_accepted_tokens_per_pos,
+            last.num_accepted_tokens_per_pos,
+        ):
+            series.inc(max(now - before, 0))
+        self._last = stats

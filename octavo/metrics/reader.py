@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Metric as PromMetric
 
 PREFIXES = ("vllm:", "octavo:")
+# The one counter family read as Vectors (vLLM's reader makes the same exception).
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass
@@ -33,8 +35,8 @@ class Counter(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered array of counters (vLLM's accepted tokens per speculative position; octavo
-    has no such family yet, the type is here for programs that test for it)."""
+    """An ordered array of counters: vLLM's vllm:spec_decode_num_accepted_tokens_per_pos,
+    whose series (one per `position` label) are read as one list, position 0 first."""
 
     values: list[int]
 
@@ -69,6 +71,8 @@ def get_metrics_snapshot(registry: CollectorRegistry) -> list[Metric]:
             collected.extend(
                 Gauge(family.name, dict(s.labels), s.value) for s in _samples(family, "")
             )
+        elif family.name == PER_POSITION:
+            collected.extend(_vectors(family))
         elif family.type == "counter":
             collected.extend(
                 Counter(family.name, dict(s.labels), int(s.value))
@@ -82,6 +86,19 @@ def get_metrics_snapshot(registry: CollectorRegistry) -> list[Metric]:
 def _samples(family: PromMetric, suffix: str) -> list:
     name = family.name + suffix
     return [s for s in family.samples if s.name == name]
+
+
+def _vectors(family: PromMetric) -> list[Vector]:
+    """One Vector per label set but `position`: the counts in position order."""
+    by_labels: dict[frozenset, dict[int, int]] = {}
+    for sample in _samples(family, "_total"):
+        labels = dict(sample.labels)
+        position = int(labels.pop("position"))
+        by_labels.setdefault(frozenset(labels.items()), {})[position] = int(sample.value)
+    return [
+        Vector(family.name, dict(key), [counts.get(i, 0) for i in range(max(counts) + 1)])
+        for key, counts in by_labels.items()
+    ]
 
 
 def _histograms(family: PromMetric) -> list[Histogram]:

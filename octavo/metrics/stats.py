@@ -33,6 +33,41 @@ class KVBlockEvent(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodingStats:
+    """Speculative decoding's counters, cumulative since start-up (vLLM's spec_decode
+    metrics): verifications with proposed tokens (drafts), the tokens proposed, those
+    accepted, and the accepted ones by their place in the proposal (0 first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification yields on average: the accepted ones and the one sampled
+        after them (vLLM's mean acceptance length); 1 before any draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @classmethod
+    def combined(cls, stats: list[SpecDecodingStats]) -> SpecDecodingStats:
+        num_pos = max((len(s.num_accepted_tokens_per_pos) for s in stats), default=0)
+        return cls(
+            num_drafts=sum(s.num_drafts for s in stats),
+            num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
+            num_accepted_tokens_per_pos=tuple(
+                sum(
+                    s.num_accepted_tokens_per_pos[i]
+                    for s in stats
+                    if i < len(s.num_accepted_tokens_per_pos)
+                )
+                for i in range(num_pos)
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """One snapshot of the scheduler and its KV cache, taken after a step."""
 
@@ -55,6 +90,8 @@ class SchedulerStats:
     # mode: 0 pauses the steps, 1 also releases the KV cache, 2 the weights too). It stays
     # asleep, at that level, until wake_up has restored everything.
     sleep_level: int | None = None
+    # Speculative decoding's counters; None where it is off.
+    spec_decoding: SpecDecodingStats | None = None
 
     @classmethod
     def combined(cls, stats: list[SchedulerStats]) -> SchedulerStats:
@@ -77,6 +114,11 @@ class SchedulerStats:
             num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
             sleep_level=max(
                 (s.sleep_level for s in stats if s.sleep_level is not None), default=None
+            ),
+            spec_decoding=(
+                SpecDecodingStats.combined(spec)
+                if (spec := [s.spec_decoding for s in stats if s.spec_decoding is not None])
+                else None
             ),
         )
 

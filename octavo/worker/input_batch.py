@@ -97,6 +97,12 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
 
+    def write_draft_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Place proposed tokens after the row's known ones, where the step reads its input
+        tokens; they are not among its tokens (num_tokens is unchanged) until appended."""
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+
     def remove(self, request_id: str) -> None:
         """Drop a request; the last row moves into its place (dense rows)."""
         row = self.row_of.pop(request_id, None)

@@ -20,6 +20,14 @@ A pooling request (a pooling model's) samples nothing: the final-norm hidden sta
 positions its pooler reads (LAST: the prompt's last; MEAN: every one, summed chunk by chunk;
 CLS: the first) leave the model beside the sampled rows, and the step that computes its last
 prompt token returns its vector in ModelRunnerOutput.pooled (model/pooling.py).
+
+Speculative decoding: a request with proposed tokens (SchedulerOutput.scheduled_spec_decode_
+tokens) runs its last token and the proposals as one chunk, and gets logits at each of those
+k + 1 positions. Each position is sampled like an ordinary row ("a sample position"), with the
+proposals before it counted as output (penalties, min_tokens, bad words), and the rejection
+sampler (sample/rejection_sampler.py) keeps the proposals while the drawn tokens agree, then
+the first token drawn after them. A seeded request's generator is set back to the draws of the
+tokens it emitted, so its stream does not depend on how many tokens were proposed.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from octavo.sample.metadata import ROW_PARAMS, SamplingMetadata
 from octavo.sample.ops.allowed import banned_by_bad_words
 from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
 from octavo.sample.ops.logprobs import compute_logprobs, gather_logprobs
+from octavo.sample.rejection_sampler import num_accepted_one_hot
 from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import InputBatch
 
@@ -64,11 +73,13 @@ class StepInputs:
     attn_plan: AttentionPlan
     # Batch rows scheduled this step, in flat-batch order.
     scheduled_rows: list[int]
-    # Rows (subset of scheduled_rows) whose last scheduled token is sampled, and the flat index
-    # of that token.
+    # Rows (subset of scheduled_rows) whose last scheduled token is sampled, and how many
+    # proposed tokens each verifies (0 without speculation).
     sample_rows: list[int]
-    # (num_sampled + num_prompt_positions,) int64: the flat indices of the sampled tokens, then
-    # those of prompt_chunks' positions, chunk after chunk.
+    num_draft_tokens: list[int]
+    # (num_sample_positions + num_prompt_positions,) int64: the flat indices of the sampled
+    # positions (one per sample row, 1 + k for one verifying k proposals), then those of
+    # prompt_chunks' positions, chunk after chunk.
     logits_indices: torch.Tensor
     # Per scheduled row: the token count in the cache once this step has run.
     seq_lens: list[int]
@@ -88,6 +99,14 @@ class _PoolingState:
     normalize: bool
     # (hidden,) float32: the sum of the rows read so far (MEAN), or the one row (LAST, CLS).
     pooled: torch.Tensor | None = None
+
+    @property
+    def num_sample_positions(self) -> int:
+        return len(self.sample_rows) + sum(self.num_draft_tokens)
+
+
+# Row -> the tokens it emits this step and their logprobs (None where not asked for).
+Sampled = dict[int, tuple[list[int], list[TokenLogprobs] | None]]
 
 
 class ModelRunner:
@@ -208,7 +227,7 @@ class ModelRunner:
             inputs.attn_plan,
             inputs.logits_indices,
         )
-        num_sampled = len(inputs.sample_rows)
+        num_sampled = inputs.num_sample_positions
         num_scored = num_sampled + sum(count for _, _, count in inputs.prompt_chunks)
         self._score_prompts(hidden_states[num_sampled:num_scored], inputs, failed)
         pooled = self._pool(hidden_states[num_scored:], inputs, failed)
@@ -281,11 +300,16 @@ class ModelRunner:
         token_chunks, position_chunks, slot_chunks = [], [], []
         group_slot_chunks: list[list[np.ndarray]] = [[] for _ in batch.group_tables]
         query_start_loc, seq_lens, sample_rows, logits_indices = [0], [], [], []
+        num_draft_tokens: list[int] = []
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         prompt_chunks: list[tuple[int, int, int]] = []
         prompt_indices: list[np.ndarray] = []
         pool_chunks: list[tuple[int, int, bool]] = []
         pool_indices: list[np.ndarray] = []
         for row in scheduled_rows:
+            drafts = spec_tokens.get(batch.rows[row].request_id, ())
+            if drafts:
+                batch.write_draft_tokens(row, drafts)
             start = int(batch.num_computed_tokens[row])
             end = start + num_scheduled[batch.rows[row].request_id]
             positions = np.arange(start, end, dtype=np.int64)
@@ -315,7 +339,10 @@ class ModelRunner:
             # request none at all.
             if end >= batch.num_tokens[row] and batch.rows[row].request_id not in self.pooling:
                 sample_rows.append(row)
-                logits_indices.append(query_start_loc[-1] - 1)
+                num_draft_tokens.append(len(drafts))
+                # The last known token's position, then each proposal's.
+                last = query_start_loc[-1]
+                logits_indices.extend(range(last - 1 - len(drafts), last))
         max_blocks = max(int(batch.num_blocks[row]) for row in scheduled_rows)
         block_table = batch.block_table[scheduled_rows, :max_blocks]
         attn_metadata = AttentionMetadata(
@@ -346,6 +373,7 @@ class ModelRunner:
             attn_plan=attn_plan,
             scheduled_rows=scheduled_rows,
             sample_rows=sample_rows,
+            num_draft_tokens=num_draft_tokens,
             logits_indices=self._to_device(
                 np.concatenate([np.asarray(logits_indices), *prompt_indices, *pool_indices]).astype(
                     np.int64
@@ -446,54 +474,111 @@ class ModelRunner:
         inputs: StepInputs,
         scheduler_output: SchedulerOutput,
         failed: dict[str, str],
-    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Row -> (sampled token, its logprobs) for every sample row that did not fail. One
-        batched draw; if it raises, the generators are put back as they were and each row is
-        drawn alone from the logits computed again (the batched attempt may have edited them),
-        so that one row's failure costs the others nothing, seeded draws included."""
-        rows = inputs.sample_rows
+    ) -> Sampled:
+        """Row -> (emitted tokens, their logprobs) for every sample row that did not fail. One
+        batched draw over every sample position; if it raises, the generators are put back as
+        they were and each row is drawn alone from the logits computed again (the batched
+        attempt may have edited them), so that one row's failure costs the others nothing,
+        seeded draws included."""
+        rows, num_extra = self._sample_positions(inputs)
         saved = {
             row: generator.get_state()
-            for row in rows
+            for row in inputs.sample_rows
             if (generator := self.input_batch.rows[row].generator) is not None
         }
         try:
-            return self._draw(self.model.compute_logits(hidden_states), rows, scheduler_output)
+            logits = self.model.compute_logits(hidden_states)
+            drawn = self._draw(logits, rows, num_extra, scheduler_output)
+            return self._verify(inputs.sample_rows, inputs.num_draft_tokens, drawn, saved)
         except Exception:
             logger.exception("sampling %d rows failed; drawing them one by one", len(rows))
         for row, state in saved.items():
             self.input_batch.rows[row].generator.set_state(state)
         logits = self.model.compute_logits(hidden_states)
-        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
-        for i, row in enumerate(rows):
+        sampled: Sampled = {}
+        first = 0
+        for row, num_drafts in zip(inputs.sample_rows, inputs.num_draft_tokens):
+            last = first + num_drafts + 1
             try:
-                sampled.update(self._draw(logits[i : i + 1], [row], scheduler_output))
+                drawn = self._draw(
+                    logits[first:last], rows[first:last], num_extra[first:last], scheduler_output
+                )
+                sampled.update(self._verify([row], [num_drafts], drawn, saved))
             except Exception as exc:
                 request_id = self.input_batch.rows[row].request_id
                 failed[request_id] = _failure(request_id, exc, "sampling")
+            first = last
+        return sampled
+
+    def _sample_positions(self, inputs: StepInputs) -> tuple[list[int], np.ndarray]:
+        """Per sample position, in logits order: its row, and the proposed tokens before it
+        (0 for a row's first position, 1..k for those after its proposals)."""
+        rows: list[int] = []
+        num_extra: list[int] = []
+        for row, num_drafts in zip(inputs.sample_rows, inputs.num_draft_tokens):
+            rows.extend([row] * (num_drafts + 1))
+            num_extra.extend(range(num_drafts + 1))
+        return rows, np.asarray(num_extra, dtype=np.int64)
+
+    def _verify(
+        self,
+        sample_rows: list[int],
+        num_draft_tokens: list[int],
+        drawn: list[tuple[int, TokenLogprobs | None]],
+        saved: dict[int, torch.Tensor],
+    ) -> Sampled:
+        """Each row's emitted tokens from the tokens drawn at its positions (`drawn`, in
+        position order): the one drawn token of a row without proposals; else the accepted
+        proposals and the token drawn after them (rejection_sampler.num_accepted_one_hot). A
+        seeded row's generator is then set to where drawing only the emitted tokens would
+        have left it (it drew one uniform per position, or none in an all-greedy draw)."""
+        batch = self.input_batch
+        sampled: Sampled = {}
+        first = 0
+        for row, num_drafts in zip(sample_rows, num_draft_tokens):
+            positions = drawn[first : first + num_drafts + 1]
+            first += num_drafts + 1
+            tokens = [token for token, _ in positions]
+            entries = [entry for _, entry in positions]
+            if num_drafts:
+                start = int(batch.num_tokens[row])
+                drafts = batch.token_ids[row, start : start + num_drafts].tolist()
+                num_emitted = num_accepted_one_hot(tokens, drafts) + 1
+                tokens, entries = tokens[:num_emitted], entries[:num_emitted]
+                generator = batch.rows[row].generator
+                if generator is not None and not torch.equal(generator.get_state(), saved[row]):
+                    generator.set_state(saved[row])
+                    for _ in range(num_emitted):
+                        torch.empty(1, device=self.device).uniform_(generator=generator)
+            sampled[row] = (tokens, None if entries[0] is None else entries)
         return sampled
 
     def _draw(
-        self, logits: torch.Tensor, rows: list[int], scheduler_output: SchedulerOutput
-    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Sample `rows` (their logits in that order); the step's one device-to-host copy."""
-        metadata = self._sampling_metadata(rows)
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        num_extra: np.ndarray,
+        scheduler_output: SchedulerOutput,
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """Sample each position (its row's logits in `rows` order, `num_extra` proposed tokens
+        of the row before it); the step's one device-to-host copy."""
+        metadata = self._sampling_metadata(rows, num_extra)
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, metadata, rows, scheduler_output)
         output = self.sampler(logits, metadata)
         tokens = output.sampled_token_ids.tolist()
         if output.logprobs is None:
-            return {row: (token, None) for row, token in zip(rows, tokens)}
+            return [(token, None) for token in tokens]
         lp = output.logprobs
         ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
-        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        drawn: list[tuple[int, TokenLogprobs | None]] = []
         for i, row in enumerate(rows):
             k = self.input_batch.rows[row].sampling_params.logprobs
             entry = (
                 None if k is None else TokenLogprobs(ids[i][: k + 1], values[i][: k + 1], ranks[i])
             )
-            sampled[row] = (tokens[i], entry)
-        return sampled
+            drawn.append((tokens[i], entry))
+        return drawn
 
     def _apply_grammar_bitmask(
         self,
@@ -525,9 +610,13 @@ class ModelRunner:
             self._to_device(np.asarray(logits_rows, dtype=np.int64)),
         )
 
-    def _sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[int], num_extra: np.ndarray) -> SamplingMetadata:
+        """The metadata of sample positions: `rows` (a row once per position), each seeing its
+        row's tokens and `num_extra` of the proposed tokens after them as its history."""
         batch = self.input_batch
         states = [batch.rows[row] for row in rows]
+        # (num_positions,): the tokens before each position, proposals included.
+        num_tokens = batch.num_tokens[rows] + num_extra
         # 1) The per-row parameters: a tensor where some row leaves the neutral value.
         values: dict[str, torch.Tensor | None] = {}
         reads_tokens = False
@@ -542,13 +631,13 @@ class ModelRunner:
         min_tokens_stop_ids: dict[int, frozenset[int]] = {}
         bad_words_banned: dict[int, frozenset[int]] = {}
         for i, (row, state) in enumerate(zip(rows, states)):
-            num_output = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            num_output = int(num_tokens[i] - batch.num_prompt_tokens[row])
             if num_output < state.sampling_params.min_tokens and state.stop_token_ids:
                 min_tokens_stop_ids[i] = state.stop_token_ids
             words = state.sampling_params.bad_words_token_ids
             if words:
                 # Only the output's last tokens can complete a word.
-                end = int(batch.num_tokens[row])
+                end = int(num_tokens[i])
                 start = max(int(batch.num_prompt_tokens[row]), end - max(map(len, words)) + 1)
                 banned = banned_by_bad_words(batch.token_ids[row, start:end].tolist(), words)
                 if banned:
@@ -577,11 +666,14 @@ class ModelRunner:
             max_num_logprobs=max(requested) if requested else None,
         )
         if reads_tokens:
-            self._add_token_ids(metadata, rows)
+            self._add_token_ids(metadata, rows, num_tokens)
         return metadata
 
-    def _add_token_ids(self, metadata: SamplingMetadata, rows: list[int]) -> None:
-        """The prompt and output tokens of the rows, for the penalties that count them."""
+    def _add_token_ids(
+        self, metadata: SamplingMetadata, rows: list[int], num_tokens: np.ndarray
+    ) -> None:
+        """The prompt and output tokens of the positions (their rows' up to num_tokens), for
+        the penalties that count them."""
         batch = self.input_batch
         prompt_lens = batch.num_prompt_tokens[rows]
         # (num_rows, max_prompt_len), padded with vocab_size (a column the penalties drop).
@@ -589,12 +681,15 @@ class ModelRunner:
         for i, row in enumerate(rows):
             prompts[i, : prompt_lens[i]] = batch.token_ids[row, : prompt_lens[i]]
         metadata.prompt_token_ids = self._to_device(prompts)
-        metadata.output_token_ids = [batch.output_token_ids(row) for row in rows]
+        metadata.output_token_ids = [
+            batch.token_ids[row, batch.num_prompt_tokens[row] : end].tolist()
+            for row, end in zip(rows, num_tokens)
+        ]
 
     def _make_output(
         self,
         inputs: StepInputs,
-        sampled: dict[int, tuple[int, TokenLogprobs | None]],
+        sampled: Sampled,
         failed: dict[str, str],
         pooled: dict[int, list[float]],
     ) -> ModelRunnerOutput:
@@ -611,10 +706,14 @@ class ModelRunner:
             if row in sampled and request_id in self.prompt_logprobs:
                 prompt_logprobs[request_id] = self.prompt_logprobs.pop(request_id)
             if row in sampled:
-                token_id, entry = sampled[row]
-                batch.append_token(row, token_id)
-                sampled_token_ids.append([token_id])
-                logprobs.append(None if entry is None else [entry])
+                token_ids, entries = sampled[row]
+                for token_id in token_ids:
+                    batch.append_token(row, token_id)
+                # Every known token but the last has its KV now (rejected proposals' is
+                # overwritten by the next step).
+                batch.num_computed_tokens[row] = batch.num_tokens[row] - 1
+                sampled_token_ids.append(token_ids)
+                logprobs.append(entries)
             else:
                 sampled_token_ids.append([])
                 logprobs.append(None)

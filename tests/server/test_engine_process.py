@@ -18,7 +18,12 @@ from octavo.core.request import FinishReason, ResolvedParams
 from octavo.core.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.engine import serial
 from octavo.engine.core import EngineCoreRequest
-from octavo.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from octavo.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 from .utils import free_port, start_serve, stream_events
 
@@ -72,6 +77,9 @@ def test_requests_outputs_and_stats_cross_the_boundary_unchanged() -> None:
     scheduler = SchedulerStats(1, 2, 0.5, 3, 40, 16, 10, 20)
     (encoded,) = _through([serial.encode_scheduler_stats(scheduler)])
     assert serial.decode_scheduler_stats(encoded) == scheduler
+    speculative = SchedulerStats(1, spec_decoding=SpecDecodingStats(3, 9, 4, (2, 1, 1)))
+    (encoded,) = _through([serial.encode_scheduler_stats(speculative)])
+    assert serial.decode_scheduler_stats(encoded) == speculative
 
 
 def _engine_core(server: subprocess.Popen) -> psutil.Process:

@@ -1,0 +1,84 @@
+"""--speculative-config / LLM(speculative_config=...): vLLM's fields resolved with vLLM's
+defaults; every field octavo does not take, and every method it does not run, refused naming
+it."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo.config import EngineArgs, SpeculativeConfig, resolve_speculative_config
+from octavo.entrypoints.cli import make_parser
+
+
+def test_ngram_defaults_and_fields() -> None:
+    assert resolve_speculative_config(None) is None
+    config = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    assert config == SpeculativeConfig("ngram", 3, 5, 5)
+    config = resolve_speculative_config(
+        {
+            "model": "[ngram]",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 4,
+            "disable_by_batch_size": 8,
+        }
+    )
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 4, 4)
+    assert config.disable_by_batch_size == 8
+    suffix = resolve_speculative_config({"method": "suffix"})
+    assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+        ({"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 2}, "model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "draft_tensor_parallel_size",
+        ),
+        (
+            {"method": "suffix", "suffix_decoding_min_token_prob": 0.2},
+            "suffix_decoding_min_token_prob",
+        ),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 5,
+                "prompt_lookup_max": 3,
+            },
+            "prompt_lookup_min",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+            "rejection_sample_method",
+        ),
+    ],
+)
+def test_refused_naming_the_field(given: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        resolve_speculative_config(given)
+    with pytest.raises(ValueError, match=named):  # LLM(...) checks at once
+        EngineArgs(speculative_config=given)
+
+
+def test_cli_flag_and_shorthands() -> None:
+    parser = make_parser()
+    ns = parser.parse_args(
+        ["serve", "-sc", '{"method": "ngram", "prompt_lookup_max": 3}', "--spec-tokens", "4"]
+    )
+    args = EngineArgs.from_cli_args(ns)
+    assert args.speculative_config == {
+        "method": "ngram",
+        "prompt_lookup_max": 3,
+        "num_speculative_tokens": 4,
+    }
+    with pytest.raises(ValueError, match="spec_tokens and speculative_config"):
+        EngineArgs(speculative_config={"num_speculative_tokens": 2}, spec_tokens=3)
+    assert EngineArgs(speculative_config='{"method": "suffix"}').speculative_config == {
+        "method": "suffix"
+    }
