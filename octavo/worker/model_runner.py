@@ -90,6 +90,10 @@ class StepInputs:
     # this step computes the prompt's last token); those rows follow the prompt positions'.
     pool_chunks: list[tuple[int, int, bool]]
 
+    @property
+    def num_sample_positions(self) -> int:
+        return len(self.sample_rows) + sum(self.num_draft_tokens)
+
 
 @dataclass(slots=True)
 class _PoolingState:
@@ -99,10 +103,6 @@ class _PoolingState:
     normalize: bool
     # (hidden,) float32: the sum of the rows read so far (MEAN), or the one row (LAST, CLS).
     pooled: torch.Tensor | None = None
-
-    @property
-    def num_sample_positions(self) -> int:
-        return len(self.sample_rows) + sum(self.num_draft_tokens)
 
 
 # Row -> the tokens it emits this step and their logprobs (None where not asked for).
