@@ -23,9 +23,10 @@ def _shared_load_model():
     load_model = setup_module.load_model
     loaded = {}
 
-    def load(path, backend, quantization=None, tp=TRIVIAL, hf_config=None):
-        if tp.size > 1 or hf_config:  # a rank's share, or a changed config, is its own
-            return load_model(path, backend, quantization, tp, hf_config)
+    def load(path, backend, quantization=None, tp=TRIVIAL, hf_config=None, embed=False):
+        # a rank's share, a changed config or a pooling model is its own
+        if tp.size > 1 or hf_config or embed:
+            return load_model(path, backend, quantization, tp, hf_config, embed)
         key = (
             path,
             quantization,

@@ -145,7 +145,7 @@ TEMPLATE = (
     # transformers' Jinja drops a newline right after a block tag: write it as an expression.
     "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}"
     "{% endif %}"
-    "{{ greeting | default('') }}"
+    "{{ greeting | default('') }}{{ reasoning_effort | default('') }}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 RENDERED = (
@@ -171,6 +171,18 @@ def test_override_template_renders_tools_history_and_kwargs(http, server, overri
     tokenized = http.post("/tokenize", json=body).json()
     assert tokenized["tokens"] == encode(server, RENDERED)
     assert prompt_tokens(http, body) == tokenized["count"]
+
+
+def test_reasoning_effort_reaches_the_template(http, overridden) -> None:
+    """OpenAI's reasoning_effort renders as that template variable (and a value it does not
+    define is a 400 naming it)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": True}}
+    with_effort = http.post("/tokenize", json={**body, **kwargs}).json()["count"]
+    assert with_effort > http.post("/tokenize", json=body).json()["count"]
+    assert prompt_tokens(http, {**body, "reasoning_effort": "high"}) == with_effort
+    response = http.post(CHAT, json={**body, "reasoning_effort": "huge"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_load_chat_template_reads_files_or_takes_text(tmp_path) -> None:

@@ -420,3 +420,35 @@ def test_chat_completions_with_each_parser_streamed_and_not(parser_name: str) ->
     assert [(c["name"], c["arguments"]) for c in stream_calls] == expected
     id_pattern = MISTRAL_ID if parser_name == "mistral" else ID
     assert all(id_pattern.fullmatch(c["id"]) for c in stream_calls + message["tool_calls"])
+
+
+def test_parallel_tool_calls_false_keeps_a_chats_first_call_streamed_and_not() -> None:
+    """Two hermes calls in the answer: both without the field, the first alone with
+    parallel_tool_calls false, in the whole answer and in the stream."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    body = {
+        "model": "mock",
+        "messages": [{"role": "user", "content": "weather in Paris and Rome"}],
+        "tools": TOOLS,
+        "max_tokens": 300,
+    }
+    with (
+        mock_server(config, llm=scripted_llm(call % "Paris" + call % "Rome", [])) as running,
+        httpx.Client(base_url=running.base_url, timeout=60) as client,
+    ):
+
+        def cities(fields: dict[str, Any]) -> tuple[list[str], list[str]]:
+            whole = client.post("/v1/chat/completions", json={**body, **fields}).json()
+            streamed = client.post("/v1/chat/completions", json={**body, **fields, "stream": True})
+            _, stream_calls, finish = _reassemble(streamed.text)
+            assert whole["choices"][0]["finish_reason"] == finish == "tool_calls"
+            message = whole["choices"][0]["message"]
+            return (
+                [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]],
+                [json.loads(c["arguments"])["city"] for c in stream_calls],
+            )
+
+        assert cities({}) == (["Paris", "Rome"], ["Paris", "Rome"])
+        assert cities({"parallel_tool_calls": True}) == (["Paris", "Rome"], ["Paris", "Rome"])
+        assert cities({"parallel_tool_calls": False}) == (["Paris"], ["Paris"])

@@ -91,6 +91,7 @@ def chat_render_from(
     kwargs.pop("chat_template", None)  # the template itself, not a variable of it
     if context.default_chat_template_kwargs:
         kwargs = {**context.default_chat_template_kwargs, **kwargs}
+    kwargs = with_reasoning_effort(kwargs, getattr(request, "reasoning_effort", None))
     return ChatRender(
         check_messages(request.messages),
         tools=tools,
@@ -101,6 +102,16 @@ def chat_render_from(
         add_special_tokens=bool(request.add_special_tokens),
         chat_template=template,
     )
+
+
+def with_reasoning_effort(kwargs: dict[str, Any], effort: str | None) -> dict[str, Any]:
+    """A request's reasoning effort as chat templates take it: `reasoning_effort`, and
+    `enable_thinking` (off for "none") unless the kwargs set it."""
+    if effort is None:
+        return kwargs
+    kwargs = {**kwargs, "reasoning_effort": effort}
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
 
 
 def check_messages(messages: list[Any]) -> list[dict[str, Any]]:

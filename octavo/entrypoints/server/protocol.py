@@ -240,6 +240,11 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's extra: a Jinja template for this request only (--trust-request-chat-template).
     chat_template: str | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's: False keeps a choice's first tool call only.
+    parallel_tool_calls: bool | None = True
+    # OpenAI's: given to the chat template as `reasoning_effort` (and `enable_thinking`
+    # unless chat_template_kwargs sets it), as /v1/responses passes `reasoning.effort`.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     return_prompt_text: Refused = None
     include_reasoning: Refused = None
     documents: Refused = None

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from octavo.entrypoints.server.chat_render import with_reasoning_effort
 from octavo.entrypoints.server.errors import bad_request
 from octavo.entrypoints.server.protocol_responses import ResponsesRequest
 
@@ -209,9 +210,7 @@ def template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
     if reasoning is not None:
         if reasoning.summary is not None or reasoning.generate_summary is not None:
             raise bad_request("reasoning.summary is not supported by octavo.", "reasoning")
-        if reasoning.effort is not None:
-            kwargs["reasoning_effort"] = reasoning.effort
-            kwargs.setdefault("enable_thinking", reasoning.effort != "none")
+        kwargs = with_reasoning_effort(kwargs, reasoning.effort)
     return kwargs or None
 
 

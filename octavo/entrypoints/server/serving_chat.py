@@ -28,7 +28,7 @@ from octavo.core.request import FinishReason
 from octavo.core.sampling_params import BeamSearchParams
 from octavo.engine.async_engine import EngineRequest
 from octavo.engine.outputs import CompletionOutput, PromptLogprobs
-from octavo.entrypoints.server.chat_render import chat_render_from
+from octavo.entrypoints.server.chat_render import chat_render_from, with_reasoning_effort
 from octavo.entrypoints.server.errors import bad_request
 from octavo.entrypoints.server.protocol import (
     ChatChoiceLogprobs,
@@ -92,6 +92,8 @@ class _Choice:
     reasoning: ReasoningParser | None = None
     # Whether a tool call has been streamed for this choice.
     called: bool = False
+    # parallel_tool_calls false: the first tool call only.
+    first_call_only: bool = False
     # A second reading of the thinking, delta by delta, that counts the output tokens whose
     # text is thinking (usage's reasoning_tokens in /v1/responses); None: no thinking.
     counter: ReasoningParser | None = None
@@ -147,10 +149,10 @@ class OpenAIServingChat:
                 "supported with beam search.",
                 "tool_choice",
             )
-        template_kwargs = {
-            **(context.default_chat_template_kwargs or {}),
-            **(request.chat_template_kwargs or {}),
-        }
+        defaults = context.default_chat_template_kwargs or {}
+        template_kwargs = with_reasoning_effort(
+            {**defaults, **(request.chat_template_kwargs or {})}, request.reasoning_effort
+        )
         make_reasoning = reasoning_parser_for(self.reasoning_parser, template_kwargs)
         processor = context.async_engine.engine.input_processor
         if make_reasoning is not None and not _constraints_wait_for_the_answer(processor):
@@ -220,6 +222,7 @@ class _Run:
                 parser=None if make_parser is None else make_parser(),
                 reasoning=None if make_reasoning is None else make_reasoning(),
                 counter=None if make_reasoning is None else make_reasoning(),
+                first_call_only=request.parallel_tool_calls is False,
             )
             for _ in range(request.n)
         ]
@@ -414,7 +417,7 @@ def _final_message(choice: _Choice, role: str = "assistant") -> tuple[ChatMessag
     extracted = choice.parser.extract(text or "")
     calls = [
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-        for call in extracted.tool_calls
+        for call in extracted.tool_calls[: 1 if choice.first_call_only else None]
     ]
     message = ChatMessage(
         role=role, reasoning=reasoning, content=extracted.content, tool_calls=calls or None
@@ -442,6 +445,8 @@ def _stream_delta(choice: _Choice, completion: CompletionOutput) -> DeltaMessage
     update = choice.parser.feed(text)
     if finished:
         update.extend(choice.parser.finish())
+    if choice.first_call_only:
+        update.tool_calls = [call for call in update.tool_calls if call.index == 0]
     if not update.content and not update.tool_calls and not reasoning:
         return None
     choice.called = choice.called or bool(update.tool_calls)
