@@ -34,9 +34,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 # --quantization: "gguf" (vLLM's name) keeps a GGUF file's block types, as without the flag;
 # a block type or a mix of them (llama-quantize's q4_k_m, q5_k_m) quantizes a float
-# checkpoint's matrices at load (model/loader/quantization.py's PLANS).
+# checkpoint's matrices at load (model/loader/quantization.py's PLANS); "gptq", "awq" and
+# "compressed-tensors" (vLLM's names) name a Hugging Face checkpoint's own method, which is
+# read as without the flag (model/loader/hf_quantized.py).
+CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq", "compressed-tensors")
 QUANTIZATIONS = (
-    "gguf",
+    *CHECKPOINT_QUANTIZATIONS,
     *("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q4_k_m", "q5_k_m"),
 )
 
@@ -1004,7 +1007,7 @@ class EngineArgs:
             self.runner, self.convert, self.pooler_config, model_config, st_pooling
         )
         block_types = model_config.weight_block_types
-        if self.quantization not in (None, "gguf"):
+        if self.quantization not in (None, *CHECKPOINT_QUANTIZATIONS):
             block_types = (self.quantization.upper(),)
         dtype, weight_dtype, dtype_reason = resolve_dtype(self.dtype, platform, block_types)
         if self.packed_max_rows == 0:  # the float reference: weights in the compute dtype

@@ -62,6 +62,9 @@ class ModelConfig:
     # The GGML block types its weights are held in (a quantized GGUF file's "Q4_K", "Q6_K"),
     # sorted; empty for float checkpoints.
     weight_block_types: tuple[str, ...] = ()
+    # The method a Hugging Face checkpoint was quantized with ("gptq", "awq",
+    # "compressed-tensors"; its weights then in weight_block_types); None: not one.
+    quantization_method: str | None = None
     # Mixture of experts (0 experts: dense). Each token's router picks num_experts_per_tok of
     # num_experts gated MLPs of moe_intermediate_size, weighted by its softmax probabilities,
     # renormalised over the chosen ones where norm_topk_prob; a shared expert of

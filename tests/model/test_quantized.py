@@ -470,9 +470,10 @@ def test_embedded_model_native_agrees_with_the_float_path(tmp_path, weights):
 def test_config_quantizations_are_the_plans():
     from octavo.config import QUANTIZATIONS
     from octavo.model.formats.ggml import MIXES, QUANTIZABLE_TYPES
+    from octavo.model.loader.hf_quantized import METHODS
     from octavo.model.loader.quantization import PLANS
 
-    assert ("gguf", *PLANS) == QUANTIZATIONS
+    assert ("gguf", *METHODS, *PLANS) == QUANTIZATIONS
     assert set(PLANS) == {t.name.lower() for t in QUANTIZABLE_TYPES} | set(MIXES)
 
 
@@ -587,21 +588,6 @@ def test_quantization_that_does_not_apply_is_refused(tmp_path):
         load_model(str(tmp_path / "hf"), cpu_backend(), "gguf")
     with pytest.raises(ModelLoadError, match="quantization='int3' is not supported"):
         load_model(str(tmp_path / "hf"), cpu_backend(), "int3")
-
-
-def test_hf_quantized_checkpoint_is_named_in_the_error(tmp_path):
-    import json
-
-    from octavo.model.loader import ModelLoadError, load_model
-
-    from .tiny import cpu_backend, save_tiny_checkpoint
-
-    save_tiny_checkpoint(tmp_path / "hf", "llama")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="quantized with 'gptq'.*does not load yet"):
-        load_model(str(tmp_path / "hf"), cpu_backend())
 
 
 @kernels

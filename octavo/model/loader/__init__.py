@@ -32,6 +32,7 @@ from octavo.model.loader.gguf import (
     open_gguf_checkpoint,
     read_gguf_chat_template,
 )
+from octavo.model.loader.hf_quantized import METHODS as HF_METHODS
 from octavo.model.loader.hub import TOKENIZER_PATTERNS, looks_like_repo_id, snapshot_folder
 from octavo.model.loader.quantization import QuantizationPlan
 from octavo.model.loader.safetensors import HFConfigSource, open_hf_checkpoint
@@ -271,10 +272,19 @@ def _quantize_weights(
         if not is_gguf:
             raise ModelLoadError(f"{path}: quantization='gguf' needs a GGUF file.")
         return weights
+    if quantization in HF_METHODS:
+        if config.quantization_method != quantization:
+            found = config.quantization_method or "not quantized by such a method"
+            raise ModelLoadError(
+                f"{path}: quantization={quantization!r} names the checkpoint's own method, and "
+                f"this checkpoint is {found}; leave --quantization out to read it as it is."
+            )
+        return weights
     if config.weight_block_types:
         raise ModelLoadError(
-            f"{path}: quantization={quantization!r} quantizes float weights, and this file's "
-            f"are already in {', '.join(config.weight_block_types)}; serve it as it is."
+            f"{path}: quantization={quantization!r} quantizes float weights, and this "
+            f"checkpoint's are already in {', '.join(config.weight_block_types)}; serve it as "
+            "it is."
         )
     plan = QuantizationPlan(quantization, config.num_hidden_layers, config.tie_word_embeddings)
     return _quantized(weights, plan)

@@ -7,11 +7,14 @@ weight files, single or sharded (model.safetensors.index.json, pytorch_model.bin
 file mapped, not copied. Every file is opened once
 up front so that a truncated or corrupt one fails before the model is built. Must not know model
 classes or parameter layouts: names go out as stored, with the substitutions an architecture's
-spec lists (ArchSpec.hf_renames) applied.
+spec lists (ArchSpec.hf_renames) applied; a checkpoint quantized by GPTQ, AWQ or
+compressed-tensors has each layer's integer parts turned into block weights on the way
+(hf_quantized.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from torch import Tensor
 from octavo.model.arch import get_spec
 from octavo.model.config import ModelConfig
 from octavo.model.loader.errors import ModelLoadError
+from octavo.model.loader.hf_quantized import read_scheme, repack
 
 _INDEX_FILE = "model.safetensors.index.json"
 _BIN_INDEX_FILE = "pytorch_model.bin.index.json"
@@ -69,18 +73,9 @@ def open_hf_checkpoint(
     if source.folder and not config_path.is_file():
         raise ModelLoadError(f"hf_config_path {source.folder!r} holds no config.json.")
     config_dict = apply_hf_overrides(_read_json(config_path), source.overrides)
-    quantization = config_dict.get("quantization_config")
-    if quantization is not None:
-        method = (
-            quantization.get("quant_method", "unknown")
-            if isinstance(quantization, dict)
-            else quantization
-        )
-        raise ModelLoadError(
-            f"{folder}: a checkpoint quantized with {method!r} (config.json quantization_config), "
-            "which octavo does not load yet. It computes on GGUF block types: load a GGUF file "
-            "of the model, or its float checkpoint with --quantization (q8_0, q4_0, ...)."
-        )
+    scheme = None
+    if config_dict.get("quantization_config") is not None:
+        scheme = read_scheme(config_dict["quantization_config"], str(folder))
     generation_path = folder / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
     try:
@@ -91,8 +86,15 @@ def open_hf_checkpoint(
     for file in files:
         _check_header(file)
     renames = get_spec(config.architecture).hf_renames
-    tensors = _iter_tensors(files)
-    return config, _renamed(tensors, renames) if renames else tensors
+    tensors: Iterator[tuple[str, Any]] = _iter_tensors(files)
+    if renames:
+        tensors = _renamed(tensors, renames)
+    if scheme is not None:
+        config = dataclasses.replace(
+            config, weight_block_types=scheme.block_types, quantization_method=scheme.method
+        )
+        tensors = repack(tensors, scheme)
+    return config, tensors
 
 
 def _with(source: HFConfigSource) -> str:
