@@ -90,7 +90,8 @@ class SuffixProposer:
     bounded by suffix_decoding_max_cached_requests outputs and SUFFIX_CACHE_MAX_TOKENS tokens:
     the oldest outputs are evicted first (FIFO, vLLM's order), their index entries with them.
     A match of m tokens proposes at most suffix_decoding_max_spec_factor * m tokens, and the
-    match plus the proposal stay within the depth (vLLM's rules).
+    match plus the proposal stay within the depth (vLLM's rules); of a longer match only as
+    many last tokens count as leave the proposal num_speculative_tokens within the depth.
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -114,6 +115,10 @@ class SuffixProposer:
         n, tokens = self._lookup(request.all_token_ids)
         if own_n >= n:
             n, tokens = own_n, own
+        # The match's last tokens alone match at the same place: count no more of it than
+        # leaves the proposal its room within the depth (a 24-token match at depth 24 would
+        # otherwise propose nothing).
+        n = min(n, max(self.max_depth - max_num_tokens, self.key_len))
         cap = min(max_num_tokens, int(self.spec_factor * n), self.max_depth - n)
         return tokens[: max(cap, 0)]
 

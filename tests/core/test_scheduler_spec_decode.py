@@ -86,6 +86,24 @@ def test_suffix_proposer_finds_an_earlier_requests_output_and_evicts() -> None:
     )
 
 
+def test_a_match_as_long_as_the_depth_still_proposes() -> None:
+    """A request copying its prompt: once the copy is longer than the depth, the match counts
+    only as much of it as leaves the proposal its room (depth 8, 4 tokens: 4 of the match)."""
+    config = resolve_speculative_config(
+        {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
+    )
+    proposer = SuffixProposer(config)
+    prompt = list(range(100, 140))
+    copying = make_request("r", [*prompt, 1])
+    copying.append_output_token_ids(prompt[:20])  # a 20-token match
+    assert proposer.propose(copying, 4) == prompt[20:24]
+    copying.append_output_token_ids(prompt[20:22])
+    assert proposer.propose(copying, 4) == prompt[22:26]
+    short = make_request("s", [*prompt, 1])
+    short.append_output_token_ids(prompt[:3])  # a 3-token match proposes at most 3
+    assert proposer.propose(short, 4) == prompt[3:6]
+
+
 # --- scheduling and rollback -------------------------------------------------------------------
 
 
