@@ -82,7 +82,11 @@ class MockRunner:
         self._update(out)
         masks = {}
         if out.grammar_bitmask is not None:
-            masks = dict(zip(out.structured_output_req_ids, out.grammar_bitmask, strict=True))
+            # Each request's first mask row (the grammar's state before this step's tokens).
+            row = 0
+            for request_id in out.structured_output_req_ids:
+                masks[request_id] = out.grammar_bitmask[row]
+                row += 1 + len(out.scheduled_spec_decode_tokens.get(request_id, ()))
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] = []

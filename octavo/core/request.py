@@ -87,6 +87,11 @@ class RequestGrammar(Protocol):
         complete."""
         ...
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from its state (a
+        speculative proposal is cut there); the state does not change."""
+        ...
+
 
 class Request:
     def __init__(

@@ -450,19 +450,27 @@ class Scheduler:
         self.spec.record(request.request_id, num_drafts, num_accepted)
 
     def _propose(self, request: Request) -> None:
-        """The request's next proposal: none for a structured-output request (its grammar
-        would have to check each proposed token), in a batch too large to speculate, or where
-        max_tokens or max_model_len leave room for the next token only."""
+        """The request's next proposal: none in a batch too large to speculate, where
+        max_tokens or max_model_len leave room for the next token only, or after a complete
+        grammar; a structured-output request's is cut at the first token its grammar rejects
+        (each proposed position is then sampled under the grammar's mask after the proposals
+        before it)."""
         assert self.spec is not None
         request.spec_token_ids = []
-        if request.grammar is not None or not self.spec.allows_step(len(self.running)):
+        if not self.spec.allows_step(len(self.running)):
+            return
+        grammar = request.grammar
+        if grammar is not None and (grammar.is_terminated() or grammar.error() is not None):
             return
         room = min(
             request.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
         )
         if room > 1:
-            request.spec_token_ids = self.spec.propose(request, room - 1)
+            proposal = self.spec.propose(request, room - 1)
+            if grammar is not None and proposal:
+                proposal = proposal[: grammar.num_valid(proposal)]
+            request.spec_token_ids = proposal
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append tokens one by one until a stop; returns those appended."""

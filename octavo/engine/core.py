@@ -208,7 +208,10 @@ class EngineCore:
             request = self.scheduler.get_request(request_id)
             assert request is not None and request.grammar is not None, request_id
             grammars.append(request.grammar)
-        bitmask = self.structured_output.grammar_bitmask(grammars)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = self.structured_output.grammar_bitmask(
+            grammars, [drafts.get(request_id, []) for request_id in req_ids]
+        )
         return dataclasses.replace(scheduler_output, grammar_bitmask=bitmask)
 
     def _record_events(

@@ -158,11 +158,20 @@ class GuidanceBackend:
 
     # --- masks ------------------------------------------------------------------------------
 
-    def fill_bitmask(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """(len(matchers), bitmask_width) int32: row i holds the tokens matcher i allows next.
-        The library fills the rows in parallel in its own threads, without the GIL."""
-        bitmask = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self.executor, [(matcher, i) for i, matcher in enumerate(matchers)], bitmask
-        )
+    def fill_bitmask(
+        self, items: Sequence[tuple[llguidance.LLMatcher, int, list[int]]], num_rows: int
+    ) -> np.ndarray:
+        """(num_rows, bitmask_width) int32: for each (matcher, row, draft), row `row` holds the
+        tokens the matcher allows next and rows row + 1 ... row + len(draft) those it would
+        allow after each draft token in turn (the matcher is left as it was). The library
+        fills the rows in parallel in its own threads, without the GIL."""
+        bitmask = np.empty((num_rows, self.bitmask_width), dtype=np.int32)
+        plain = [(matcher, row) for matcher, row, draft in items if not draft]
+        drafted = [item for item in items if item[2]]  # the library takes no empty draft
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+        if drafted:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self.executor, drafted, bitmask
+            )
         return bitmask

@@ -43,6 +43,9 @@ class GuidanceGrammar:
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        return self.matcher.validate_tokens(token_ids)
+
     def is_terminated(self) -> bool:
         # Stopped: the grammar is complete (only EOS may follow) or in its error state.
         return self.matcher.is_stopped()

@@ -10,8 +10,9 @@ The engine's one handle on structured outputs:
    run in a background thread; requests with the same `params.key` share one compilation (an
    LRU cache of `max_cached_grammars` entries). Under a reasoning parser it is gated until the
    thinking ends (structured_output/reasoning.py).
-3) `grammar_bitmask(grammars)` each step (engine thread): one int32 token-mask row per
-   structured request that samples this step.
+3) `grammar_bitmask(grammars, drafts)` each step (engine thread): one int32 token-mask row per
+   structured request that samples this step, and one more per token it proposed
+   (speculative decoding: the mask after each proposed token).
 
 The llguidance tokenizer is built on first use, so an engine that never sees a structured
 request never pays for it. Must not: know about scheduling (the scheduler decides who waits
@@ -175,21 +176,34 @@ class StructuredOutputManager:
 
     # --- each step --------------------------------------------------------------------------
 
-    def grammar_bitmask(self, grammars: Sequence[RequestGrammar]) -> np.ndarray:
-        """(len(grammars), ceil(vocab / 32)) int32, row i the tokens grammar i allows next.
-        Every grammar must be ready (the scheduler admits only those)."""
+    def grammar_bitmask(
+        self,
+        grammars: Sequence[RequestGrammar],
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> np.ndarray:
+        """(sum of 1 + len(drafts[i]), ceil(vocab / 32)) int32: grammar i's rows in order,
+        the tokens it allows next, then after each of its proposed tokens in turn (drafts:
+        each grammar's speculative proposal, tokens it accepts; none by default). Every
+        grammar must be ready (the scheduler admits only those); none changes state."""
         start = time.perf_counter()
-        matchers = []
-        thinking_rows = []
-        for row, grammar in enumerate(grammars):
+        drafts = drafts if drafts is not None else [()] * len(grammars)
+        items = []
+        thinking_rows: list[int] = []
+        row = 0
+        for grammar, draft in zip(grammars, drafts, strict=True):
+            num_rows = 1 + len(draft)
             if isinstance(grammar, ThinkingGatedGrammar):
                 if grammar.thinking:
-                    thinking_rows.append(row)
+                    # The proposal stops short of the end of the thinking (num_valid): all
+                    # its rows allow every token.
+                    thinking_rows.extend(range(row, row + num_rows))
+                    draft = ()
                 grammar = grammar.grammar  # its matcher fills the row, allowed or not
             if not isinstance(grammar, GuidanceGrammar):
                 raise TypeError(f"not a grammar of this manager: {grammar!r}")
-            matchers.append(grammar.matcher)
-        bitmask = self.backend.fill_bitmask(matchers)
+            items.append((grammar.matcher, row, list(draft)))
+            row += num_rows
+        bitmask = self.backend.fill_bitmask(items, row)
         bitmask[thinking_rows] = -1  # every token allowed while the model thinks
         self.bitmask_seconds += time.perf_counter() - start
         return bitmask

@@ -83,6 +83,15 @@ class ThinkingGatedGrammar:
             return True
         return self.grammar.accept_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """While thinking, the tokens before the end-of-thinking one (a proposal stops short of
+        it, so that every position it adds is still inside the thinking, unconstrained)."""
+        if not self.thinking:
+            return self.grammar.num_valid(token_ids)
+        return (
+            token_ids.index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
+        )
+
     def is_terminated(self) -> bool:
         return not self.thinking and self.grammar.is_terminated()
 

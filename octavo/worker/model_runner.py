@@ -564,7 +564,7 @@ class ModelRunner:
         of the row before it); the step's one device-to-host copy."""
         metadata = self._sampling_metadata(rows, num_extra)
         if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, metadata, rows, scheduler_output)
+            self._apply_grammar_bitmask(logits, metadata, rows, num_extra, scheduler_output)
         output = self.sampler(logits, metadata)
         tokens = output.sampled_token_ids.tolist()
         if output.logprobs is None:
@@ -585,18 +585,27 @@ class ModelRunner:
         logits: torch.Tensor,
         metadata: SamplingMetadata,
         sample_rows: list[int],
+        num_extra: np.ndarray,
         scheduler_output: SchedulerOutput,
     ) -> None:
-        """Structured-output rows get -inf on the tokens their grammar forbids, before the
-        sampler: its logprobs, penalties and filters all see the constrained distribution."""
+        """Structured-output positions get -inf on the tokens their grammar forbids, before the
+        sampler: its logprobs, penalties and filters all see the constrained distribution. A
+        request's mask rows are consecutive, one per position: after its accepted tokens,
+        then after each of its proposed tokens (manager.grammar_bitmask)."""
         bitmask = scheduler_output.grammar_bitmask
         assert bitmask is not None
-        index_of_row = {row: i for i, row in enumerate(sample_rows)}
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        first_mask_row: dict[str, int] = {}
+        num_mask_rows = 0
+        for request_id in scheduler_output.structured_output_req_ids:
+            first_mask_row[request_id] = num_mask_rows
+            num_mask_rows += 1 + len(drafts.get(request_id, ()))
         logits_rows, mask_rows = [], []
-        for mask_row, request_id in enumerate(scheduler_output.structured_output_req_ids):
-            logits_row = index_of_row.get(self.input_batch.row_of.get(request_id, -1))
-            if logits_row is None:
+        for logits_row, (row, extra) in enumerate(zip(sample_rows, num_extra, strict=True)):
+            first = first_mask_row.get(self.input_batch.rows[row].request_id)
+            if first is None:
                 continue
+            mask_row = first + int(extra)
             logits_rows.append(logits_row)
             mask_rows.append(mask_row)
             stop_ids = metadata.min_tokens_stop_ids.get(logits_row)

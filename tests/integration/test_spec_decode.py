@@ -2,7 +2,8 @@
 each method, on prompts built so that proposals are often accepted (a passage to repeat) and
 often rejected (free text), in one mixed batch; penalties, logprobs, stop strings, max_tokens
 and n > 1 as without; seeded sampling independent of the batch and of speculation; the
-metrics counted; nothing leaked.
+metrics counted; structured outputs as without (proposals cut where the grammar rejects);
+nothing leaked.
 
 The engines run the float reference (packed_max_rows=0: weights dequantized to float32, torch
 matmuls). The packed GGML kernels quantize activations to 8 bits, so two equally valid orders
@@ -13,10 +14,14 @@ tie (as it does between two attention backends without speculation)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from octavo import SamplingParams
 from octavo.metrics.reader import Counter, Vector
+from octavo.sampling_params import StructuredOutputsParams
+from octavo.structured_output.grammar import GuidanceGrammar
 
 from .utils import assert_no_leak
 
@@ -134,4 +139,42 @@ def test_seeded_sampling_does_not_depend_on_the_batch(spec_llm, float_llm) -> No
     others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
     batch = spec_llm.generate(PROMPTS, [others, seeded, *[others] * 6], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
+    assert_no_leak(spec_llm)
+
+
+def test_structured_outputs_speculate_and_give_the_same_text(
+    spec_llm, float_llm, monkeypatch
+) -> None:
+    """A grammar that forbids the letter y, on a prompt whose passage the model repeats: the
+    proposals follow the passage and are cut at " yellow", and every position is sampled
+    under the grammar's mask after the proposals before it, so the greedy text is the one
+    the grammar gives without speculation, beside unconstrained requests in the same batch."""
+    pattern = "[A-Za-xz ,.]{1,120}"
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=48,
+        structured_outputs=StructuredOutputsParams(regex=pattern),
+    )
+    params = [GREEDY, GREEDY, constrained, GREEDY]
+    before = _spec_metrics(spec_llm)["vllm:spec_decode_num_drafts"]
+    outputs = spec_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    expected = float_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert _token_ids(outputs) == _token_ids(expected)
+    text = outputs[2].outputs[0].text
+    assert re.fullmatch(pattern, text) and "Red, orange," in text, text
+    assert _spec_metrics(spec_llm)["vllm:spec_decode_num_drafts"] > before
+    checked: list[tuple[int, int]] = []  # (proposed, kept) of each proposal the grammar saw
+    num_valid = GuidanceGrammar.num_valid
+
+    def spy(self, token_ids):
+        checked.append((len(token_ids), num_valid(self, token_ids)))
+        return checked[-1][1]
+
+    monkeypatch.setattr(GuidanceGrammar, "num_valid", spy)
+    before = _spec_metrics(spec_llm)["vllm:spec_decode_num_drafts"]
+    alone = spec_llm.generate(PROMPTS[2:3], constrained, use_tqdm=False)[0].outputs[0]
+    assert list(alone.token_ids) == _token_ids(expected)[2]
+    assert _spec_metrics(spec_llm)["vllm:spec_decode_num_drafts"] > before
+    assert any(kept < proposed for proposed, kept in checked), checked  # " yellow" cut
+    assert any(kept > 0 for _, kept in checked), checked
     assert_no_leak(spec_llm)

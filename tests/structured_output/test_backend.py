@@ -134,6 +134,29 @@ def test_compilation_is_shared_by_key_and_each_request_has_its_own_state(
     assert np.array_equal(rows[1], start)
 
 
+def test_masks_after_proposed_tokens_and_proposals_cut_by_the_grammar(manager, tokenizer) -> None:
+    """Speculative decoding: a grammar's rows after each proposed token equal the masks of a
+    copy that consumed those tokens one by one, the grammar itself unmoved; num_valid counts
+    the proposal's tokens the grammar accepts in order."""
+    params = StructuredOutputsParams(regex="(cat|dog) and (cat|dog)")
+    grammar, other = ready_grammar(manager, params), ready_grammar(manager, params)
+    tokens = tokenizer.encode("cat and dog", add_special_tokens=False)
+    assert grammar.num_valid(tokens) == len(tokens)
+    assert (
+        grammar.num_valid([*tokens[:2], *tokenizer.encode(" bird", add_special_tokens=False)]) == 2
+    )
+    rows = manager.grammar_bitmask([other, grammar], [[], tokens[:2]])
+    assert rows.shape[0] == 1 + 3
+    stepped = ready_grammar(manager, params)
+    expected = [manager.grammar_bitmask([stepped])[0].copy()]
+    for token in tokens[:2]:
+        assert stepped.accept_token(token)
+        expected.append(manager.grammar_bitmask([stepped])[0].copy())
+    assert np.array_equal(rows[0], expected[0])
+    assert all(np.array_equal(rows[1 + i], expected[i]) for i in range(3))
+    assert np.array_equal(manager.grammar_bitmask([grammar])[0], expected[0])  # unmoved
+
+
 def test_the_cache_keeps_the_most_recent_grammars(tokenizer) -> None:
     manager = StructuredOutputManager(
         tokenizer, len(tokenizer), (EOS_TOKEN_ID,), max_cached_grammars=1

@@ -89,6 +89,13 @@ def test_mask_rows_allow_everything_until_the_end_of_thinking(thinking_tokenizer
     for token_id in word:
         assert gated.accept_token(token_id)
     assert gated.error() is None and not gated.is_terminated()
+    # A speculative proposal stops short of the end of the thinking; its rows all allow
+    # every token.
+    assert gated.num_valid([*word, end, *word]) == len(word)
+    assert gated.num_valid(word) == len(word)
+    rows = manager.grammar_bitmask([gated, plain], [word, []])
+    assert (rows[: 1 + len(word)] == -1).all()
+    np.testing.assert_array_equal(rows[-1], constrained_row)
     assert gated.accept_token(end) and not gated.thinking
     (row,) = manager.grammar_bitmask([gated])
     np.testing.assert_array_equal(row, constrained_row)  # now constrained, from its start
