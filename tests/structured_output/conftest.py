@@ -28,9 +28,8 @@ def manager(tokenizer) -> StructuredOutputManager:
     return StructuredOutputManager(tokenizer, len(tokenizer), (EOS_TOKEN_ID,))
 
 
-@pytest.fixture(scope="session")
-def tiny_llm(tokenizer, tmp_path_factory) -> LLM:
-    folder = tmp_path_factory.mktemp("tiny-llama")
+def tiny_llm_folder(tokenizer, folder):
+    """A tiny random 2-layer Llama over `tokenizer`'s vocabulary, saved with it to `folder`."""
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -45,4 +44,10 @@ def tiny_llm(tokenizer, tmp_path_factory) -> LLM:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tokenizer, tmp_path_factory) -> LLM:
+    folder = tiny_llm_folder(tokenizer, tmp_path_factory.mktemp("tiny-llama"))
     return LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_tokens=4096, seed=0)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from octavo import LLM, SamplingParams
 from octavo.core.sampling_params import StructuredOutputsParams
@@ -16,7 +14,7 @@ from octavo.model.loader import find_default_model
 from octavo.structured_output import StructuredOutputManager
 from octavo.structured_output.reasoning import ReasoningGate, ThinkingGatedGrammar
 
-from .conftest import EOS_TOKEN_ID
+from .conftest import EOS_TOKEN_ID, tiny_llm_folder
 
 CHOICES = ["yes", "no"]
 
@@ -30,21 +28,7 @@ def thinking_tokenizer():
 
 @pytest.fixture(scope="module")
 def thinking_llm(thinking_tokenizer, tmp_path_factory) -> LLM:
-    folder = tmp_path_factory.mktemp("tiny-thinking-llama")
-    config = transformers.LlamaConfig(
-        vocab_size=len(thinking_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=EOS_TOKEN_ID,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    thinking_tokenizer.save_pretrained(folder)
+    folder = tiny_llm_folder(thinking_tokenizer, tmp_path_factory.mktemp("tiny-thinking-llama"))
     return LLM(
         str(folder),
         dtype="float32",

@@ -180,8 +180,7 @@ def _compressed_tensors(config: dict[str, Any], where: str) -> IntScheme:
     if weights.get("actorder") not in (None, "static", False):
         raise _refuse(where, "compressed-tensors", f"actorder={weights['actorder']!r}")
     group = _group_size(weights.get("group_size")) if strategy == "group" else 0
-    activations = [group.get("input_activations") for group in groups.values()]
-    if any(activations):
+    if any(scheme.get("input_activations") for scheme in groups.values()):
         logger.info(
             "compressed-tensors: the checkpoint's input_activations scheme is not applied; "
             "activations are computed as octavo's block kernels compute them (float, or "
