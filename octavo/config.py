@@ -38,6 +38,8 @@ ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 # "compressed-tensors" (vLLM's names) name a Hugging Face checkpoint's own method, which is
 # read as without the flag (model/loader/hf_quantized.py).
 CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq", "compressed-tensors")
+# vLLM's names for its kernels over those checkpoints: the same checkpoints here.
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 QUANTIZATIONS = (
     *CHECKPOINT_QUANTIZATIONS,
     *("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q4_k_m", "q5_k_m"),
@@ -553,8 +555,9 @@ class EngineArgs:
         None,
         "weights in GGML block types: gguf keeps a GGUF file's own (the default for one); a "
         "type (q8_0 ... q4_0, q6_k, q5_k, q4_k) or llama-quantize's mix q4_k_m / q5_k_m "
-        "quantizes a float checkpoint's matrices at load",
-        choices=QUANTIZATIONS,
+        "quantizes a float checkpoint's matrices at load; gptq, awq, compressed-tensors (and "
+        "vLLM's gptq_marlin, awq_marlin) name a quantized checkpoint's own method",
+        choices=(*QUANTIZATIONS, *QUANTIZATION_ALIASES),
         alias="-q",
     )
     kv_cache_dtype: str = setting(
@@ -832,6 +835,7 @@ class EngineArgs:
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             setattr(self, name, DTYPE_ALIASES.get(value, value))
+        self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
         names = self.served_model_name
         if isinstance(names, (list, tuple)) and not (names and all(names)):
             raise ValueError("served_model_name must name at least one model.")

@@ -236,6 +236,13 @@ def test_quantization_flag_names_the_checkpoints_own_method(tmp_path):
         load_model(str(tmp_path), cpu_backend(max_rows=0), "awq")
     with pytest.raises(ModelLoadError, match="already in Q4_0; serve it as it is"):
         load_model(str(tmp_path), cpu_backend(max_rows=0), "q8_0")
+    # vLLM's names of its kernels for these checkpoints, from a launch script.
+    from octavo.config import EngineArgs
+    from octavo.entrypoints.cli import engine_args_from, make_parser
+
+    assert EngineArgs(quantization="gptq_marlin").quantization == "gptq"
+    parsed = make_parser().parse_args(["serve", "--quantization", "awq_marlin"])
+    assert engine_args_from(parsed).quantization == "awq"
 
 
 @pytest.mark.parametrize(
