@@ -82,11 +82,9 @@ class MockRunner:
         self._update(out)
         masks = {}
         if out.grammar_bitmask is not None:
-            # Each request's first mask row (the grammar's state before this step's tokens).
-            row = 0
-            for request_id in out.structured_output_req_ids:
-                masks[request_id] = out.grammar_bitmask[row]
-                row += 1 + len(out.scheduled_spec_decode_tokens.get(request_id, ()))
+            # Each request's mask before this step's tokens.
+            bitmask = out.grammar_bitmask
+            masks = {r: bitmask[row] for r, row in out.grammar_mask_rows().items()}
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] = []

@@ -70,11 +70,23 @@ class SchedulerOutput:
     # follow its last known token in its num_scheduled_tokens (1 + their number). The runner
     # returns up to 1 + their number tokens for it (those accepted, then one more).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Filled by the engine between schedule and execute: (len(structured_output_req_ids),
-    # ceil(vocab / 32)) int32, row i the allowed-token bits of request i (bit t % 32 of word
-    # t // 32 set = token t allowed). None when no structured request samples this step.
+    # Filled by the engine between schedule and execute: int32 rows of ceil(vocab / 32)
+    # words, the allowed-token bits (bit t % 32 of word t // 32 set = token t allowed) of each
+    # structured request in turn, one row per position it samples: after its known tokens,
+    # then after each of its proposed tokens (grammar_mask_rows). None when no structured
+    # request samples this step.
     grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def grammar_mask_rows(self) -> dict[str, int]:
+        """Each structured request's first row in grammar_bitmask; its row after j proposed
+        tokens is that + j."""
+        first_rows: dict[str, int] = {}
+        row = 0
+        for request_id in self.structured_output_req_ids:
+            first_rows[request_id] = row
+            row += 1 + len(self.scheduled_spec_decode_tokens.get(request_id, ()))
+        return first_rows

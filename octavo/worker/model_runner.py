@@ -591,15 +591,10 @@ class ModelRunner:
         """Structured-output positions get -inf on the tokens their grammar forbids, before the
         sampler: its logprobs, penalties and filters all see the constrained distribution. A
         request's mask rows are consecutive, one per position: after its accepted tokens,
-        then after each of its proposed tokens (manager.grammar_bitmask)."""
+        then after each of its proposed tokens (SchedulerOutput.grammar_mask_rows)."""
         bitmask = scheduler_output.grammar_bitmask
         assert bitmask is not None
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        first_mask_row: dict[str, int] = {}
-        num_mask_rows = 0
-        for request_id in scheduler_output.structured_output_req_ids:
-            first_mask_row[request_id] = num_mask_rows
-            num_mask_rows += 1 + len(drafts.get(request_id, ()))
+        first_mask_row = scheduler_output.grammar_mask_rows()
         logits_rows, mask_rows = [], []
         for logits_row, (row, extra) in enumerate(zip(sample_rows, num_extra, strict=True)):
             first = first_mask_row.get(self.input_batch.rows[row].request_id)

@@ -74,7 +74,6 @@ class IntScheme:
     group_size: int  # inputs per scale; 0: one scale per output channel
     symmetric: bool
     zero_offset: int = 0  # added to stored zero points (GPTQ's "gptq" format: 1)
-    desc_act: bool = False  # GPTQ: inputs ordered by g_idx rather than by index
 
     @property
     def block_types(self) -> tuple[str, ...]:
@@ -140,8 +139,8 @@ def _gptq(config: dict[str, Any], where: str) -> IntScheme:
         bits,
         _group_size(config.get("group_size", 128)),
         symmetric,
+        # desc_act needs nothing here: g_idx says each input's group either way.
         zero_offset=1 if checkpoint_format == "gptq" else 0,
-        desc_act=bool(config.get("desc_act", False)),
     )
 
 
@@ -247,11 +246,11 @@ def _convert(prefix: str, parts: dict[str, Tensor], scheme: IntScheme) -> Quanti
             raise ValueError(f"{k} inputs are not a whole number of 32-weight blocks")
         order = next((parts[p] for p in _ORDER_PARTS if p in parts), None)
         groups = _block_groups(prefix, order, scheme, k)
-        scale = _per_block(scale, n, groups)
-        zero = _per_block(zero, n, groups)
+        return _blocks(q, _per_block(scale, n, groups), _per_block(zero, n, groups), scheme.bits)
+    except ModelLoadError:
+        raise  # it names the layer already
     except (RuntimeError, ValueError, IndexError) as exc:
         raise ModelLoadError(f"{scheme.method}: {prefix}: {exc}.") from None
-    return _blocks(q, scale, zero, scheme.bits)
 
 
 def _block_groups(
@@ -334,23 +333,22 @@ def _blocks(q: Tensor, scale: Tensor, zero: Tensor, bits: int) -> QuantizedTenso
     """Unsigned q (n, k) with per-block float scales and integer zeros (n, k / 32) as Q4_0,
     Q4_1 or Q8_0 blocks: w = scale * (q - zero)."""
     n, k = q.shape
-    d = scale.to(torch.float16)
+
+    def f16_field(values: Tensor) -> Tensor:  # (n, blocks) -> their float16 bytes per block
+        return values.to(torch.float16).contiguous().view(torch.uint8).reshape(n, -1, 2)
+
     if bits == 8:
         if not bool((zero == 128).all()):
-            raise ModelLoadError("8-bit weights with zero points other than 128 (asymmetric).")
+            raise ValueError("8-bit weights with zero points other than 128 (asymmetric)")
         qs = (q - 128).to(torch.int8).reshape(n, -1, _BLOCK).view(torch.uint8)
-        fields = [d.contiguous().view(torch.uint8).reshape(n, -1, 2), qs]
-        qtype = GGMLType.Q8_0
+        qtype, fields = GGMLType.Q8_0, [f16_field(scale), qs]
     else:
         nibbles = q.to(torch.uint8).reshape(n, -1, _BLOCK)
         qs = nibbles[..., :16] | (nibbles[..., 16:] << 4)
-        fields = [d.contiguous().view(torch.uint8).reshape(n, -1, 2)]
         if bool((zero == 8).all()):
-            qtype = GGMLType.Q4_0  # w = d * (q - 8)
+            qtype, fields = GGMLType.Q4_0, [f16_field(scale), qs]  # w = d * (q - 8)
         else:
-            qtype = GGMLType.Q4_1  # w = d * q + m
-            m = (-(scale.float() * zero.float())).to(torch.float16)
-            fields.append(m.contiguous().view(torch.uint8).reshape(n, -1, 2))
-        fields.append(qs)
+            m = -(scale.float() * zero.float())  # w = d * q + m
+            qtype, fields = GGMLType.Q4_1, [f16_field(scale), f16_field(m), qs]
     blocks = torch.cat(fields, dim=-1).reshape(n, -1).contiguous()
     return QuantizedTensor(blocks, qtype, (n, k))
