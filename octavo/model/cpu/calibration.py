@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from octavo.model.cpu import onednn, ops
+from octavo.model.cpu import onednn, ops, packing
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ ONEDNN_CALIBRATION_ROWS = (32, 256)
 QUANT_CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
 # The batch sizes timed for the AMX tile kernel against dequantizing the weight for the call.
 TILES_CALIBRATION_ROWS = (64, 128, 256, 512, 1024, 2048)
+# The batch sizes timed for a bfloat16 weight's copy in AMX tile order against torch's GEMM.
+BF16_TILES_CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)
 
 
 def _timed_pair(
@@ -200,6 +202,35 @@ class MatmulCalibration:
             _timed_pair(fmt.tiles_matmul, fmt.gemm_matmul, t.shape[1], fmt.dtype, self.repeats),
             f"{t.shape[0]} x {t.shape[1]} {t.qtype.name} weight: AMX tiles",
             "dequantized GEMM",
+        )
+
+    def bf16_tiles_max_rows(self, fmt: Any) -> int:
+        """The row limit of amx_linear on a copy of the PackedWeight `fmt`'s bfloat16 weight in
+        tile order (a scratch one, made once per shape) against the format's GEMM above its
+        panels (on the oneDNN copy where it has one), timed at BF16_TILES_CALIBRATION_ROWS as
+        packed_max_rows; 0 under the fixed setting (which names one limit). Timed with the
+        weight hot in cache, which favours the GEMM: a decode step reads each weight once from
+        memory, where the tiles' lead is larger (BENCHMARKS.md, 2026-12-06)."""
+        if self.fixed_rows is not None:
+            return 0
+        weight = fmt.weight
+        tiles = functools.cache(lambda: packing.tile_weight(weight))
+
+        def tiles_matmul(x: Tensor) -> Tensor:
+            return ops.amx_linear(x, tiles(), weight.shape[0])
+
+        return self._limit(
+            (tuple(weight.shape), "bf16 tiles", weight.dtype, torch.get_num_threads()),
+            BF16_TILES_CALIBRATION_ROWS,
+            _timed_pair(
+                tiles_matmul,
+                fmt.gemm_matmul,
+                weight.shape[1],
+                torch.float32,
+                self.repeats,
+            ),
+            f"{weight.shape[0]} x {weight.shape[1]} weight: AMX tiles",
+            "torch's GEMM",
         )
 
     def _limit(

@@ -166,7 +166,8 @@ KernelPart = tuple[Tensor, int, int, int, int, torch.dtype | None]
 def kernel_parts(fmt: LinearWeight) -> list[KernelPart] | None:
     """A projection's weight as the kernel's parts: (weight, kind, rows, limit, tile limit,
     gemm dtype) each, kind -1 for packed panels, which take up to `limit` rows (the format's
-    max_rows), followed by the float weight (kind -2; its copy reordered for oneDNN where the
+    max_rows), then the copy in AMX tile order where the format has one (kind -3, up to its
+    tiles_max_rows), followed by the float weight (kind -2; its copy reordered for oneDNN where the
     format has one) that torch's GEMM takes above; or the block type id the block kernel
     reads, which takes up to `limit` rows (the format's max_rows), the AMX tiles up to `tile
     limit` (tiles_max_rows) and torch's GEMM on the blocks dequantized to the gemm dtype
@@ -174,7 +175,12 @@ def kernel_parts(fmt: LinearWeight) -> list[KernelPart] | None:
     if isinstance(fmt, PackedWeight):
         n = fmt.weight.shape[0]
         gemm_weight = fmt.weight if fmt.onednn_weight is None else fmt.onednn_weight
-        return [(fmt.packed, -1, n, fmt.max_rows, 0, None), (gemm_weight, -2, n, -1, 0, None)]
+        tiles = [] if fmt.tiles is None else [(fmt.tiles, -3, n, fmt.tiles_max_rows, 0, None)]
+        return [
+            (fmt.packed, -1, n, fmt.max_rows, 0, None),
+            *tiles,
+            (gemm_weight, -2, n, -1, 0, None),
+        ]
     if isinstance(fmt, QuantizedWeight):
         if not fmt.kernels:
             return None

@@ -120,6 +120,18 @@ def quant_linear_tiles(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     return torch.ops.octavo.quant_linear_tiles(x, blocks, int(qtype), n)
 
 
+def amx_linear(x: Tensor, tiled: Tensor, n: int) -> Tensor:
+    """x: (m, k) float32 or bfloat16 (others are converted); tiled: packing.tile_weight of a
+    bfloat16 (n, k) weight. Returns x @ W^T as (m, n) float32: the float32 sums of the products
+    of x rounded to bfloat16 and W, by AMX tile dot products (torch's bf16 GEMM's numbers up to
+    summation order). Only where amx_tiles_available()."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.octavo.amx_linear(x, tiled, n)
+
+
 def quant_repacked_type(qtype: int) -> int:
     """The id of the kernels' repacked layout of GGML type `qtype` in this build (every
     type but Q2_K and Q3_K, with AVX-512), or `qtype` itself where there is none."""

@@ -67,3 +67,26 @@ def unpack_linear_weight(packed: Tensor, n: int) -> Tensor:
     if packed.dtype == torch.bfloat16:
         panels = panels[:, torch.argsort(torch.tensor(_bf16_panel_order(packed.shape[2])))]
     return panels.reshape(-1, packed.shape[1])[:n]
+
+
+def tiled_shape(weight: Tensor) -> tuple[int, ...]:
+    """The shape `tile_weight` gives an (n, k) weight: (ceil(n / 32), ceil(k / 32), 2, 16, 16,
+    2)."""
+    n, k = weight.shape
+    return (-(-n // 32), -(-k // 32), 2, 16, 16, 2)
+
+
+def tile_weight(weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """A bfloat16 copy of the (n, k) weight in the order amx_linear's tiles load it (written
+    into `out`, of tiled_shape, if given): element [g][s][h][p][c][e] = W[32 g + 16 h + c][32 s
+    + 2 p + e], zeros past n and k, so that a tile (16 columns of the output, 32 values of k
+    as 16 pairs) is 1 KB of contiguous memory."""
+    n, k = weight.shape
+    groups, slices = -(-n // 32), -(-k // 32)
+    padded = weight.detach().new_zeros(groups * 32, slices * 32, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    # [g][h][c][s][p][e] -> [g][s][h][p][c][e]
+    tiled = padded.view(groups, 2, 16, slices, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    if out is None:
+        return tiled.contiguous()
+    return out.copy_(tiled)

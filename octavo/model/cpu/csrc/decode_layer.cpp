@@ -17,7 +17,8 @@ namespace {
 // of weights / kinds / rows / limits / tile_limits, packed panels (kind -1) or GGML blocks of
 // one or more types. Packed panels take up to their limit (-1: any) and, where a second part
 // of kind -2 follows with the float weight, torch's GEMM on that above it, as
-// formats/packed.py's PackedWeight.matmul does. A block part's limit is the most rows its
+// formats/packed.py's PackedWeight.matmul does; between the two a part of kind -3, the weight
+// in AMX tile order (amx_linear), may take the rows from the panels' limit to its own. A block part's limit is the most rows its
 // kernel takes (the weight format's max_rows; -1: any); above it, up to its tile limit
 // (tiles_max_rows; 0: none) the AMX tile kernel takes it, and above that it is dequantized to
 // gemm_dtype and multiplied by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul
@@ -40,6 +41,10 @@ struct Projections {
                     limits.size() == weights.size() && tile_limits.size() == weights.size(),
                 op, ": one kind, row count, row limit and tile limit per weight part");
   }
+
+  // Kinds of a float weight's parts: packed panels, its float weight (or the copy reordered
+  // for oneDNN), its copy in AMX tile order.
+  static constexpr int64_t kPanels = -1, kDense = -2, kTiles = -3;
 
   bool kernel_takes(int64_t entry, int64_t m) const {
     return limits[entry] < 0 || m <= limits[entry];
@@ -96,8 +101,12 @@ struct Projections {
     bool all_kernel = true;
     for (int64_t i = begin; i < begin + count; ++i) all_kernel = all_kernel && kernel_takes(i, m);
     if (kinds[begin] < 0) {
-      if (count == 2 && !kernel_takes(begin, m)) return dense(x, weights[begin + 1], bias);
-      out = packed_linear(x, weights[begin], rows[begin]);
+      // Packed panels, then AMX tiles (if any), each up to its limit, then the float weight.
+      int64_t entry = begin;
+      while (entry + 1 < begin + count && !kernel_takes(entry, m)) ++entry;
+      if (kinds[entry] == kDense) return dense(x, weights[entry], bias);
+      out = kinds[entry] == kTiles ? amx_linear(x, weights[entry], rows[entry])
+                                   : packed_linear(x, weights[entry], rows[entry]);
     } else if (all_kernel) {
       out = quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),
                                rows.slice(begin, count));
@@ -136,8 +145,9 @@ struct Projections {
 // With no parts for gate_up and down it returns post_norm's output (the caller's MLP follows).
 // The four projections (qkv, o, gate_up, down) are parts[0..3] consecutive entries of weights,
 // each part of n = rows[i] output rows, concatenated: kinds[i] -1 for weights packed by
-// pack_linear_weight (packed_linear up to limits[i] rows, then the float weight of a kind -2
-// part by torch's GEMM), else the GGML block type id, repacked or not, of blocks
+// pack_linear_weight (packed_linear up to limits[i] rows, then the weight in AMX tile order of
+// a kind -3 part up to its limit, if there is one, then the float weight of a kind -2 part by
+// torch's GEMM), else the GGML block type id, repacked or not, of blocks
 // (quant_linear_parts) up to limits[i] rows, the AMX tiles up to tile_limits[i] and torch's
 // GEMM on them dequantized to gemm_dtype above (Projections), as the Python weight formats
 // multiply them. The Python wrapper checks the rest.

@@ -56,6 +56,8 @@ TORCH_LIBRARY(octavo, m) {
   m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
   // Many rows on block weights by AMX tiles, where amx_tiles_available().
   m.def("quant_linear_tiles(Tensor x, Tensor blocks, int type, int n) -> Tensor");
+  // Many rows on a bfloat16 weight in tile order by AMX tiles, where amx_tiles_available().
+  m.def("amx_linear(Tensor x, Tensor tiled, int n) -> Tensor");
   m.def("amx_tiles_available() -> bool", &octavo::amx_tiles_available);
   // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
   m.def("quant_repacked_type(int type) -> int", &octavo::quant_repacked_type);
@@ -96,6 +98,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("quant_dequantize", &octavo::quant_dequantize);
   m.impl("quant_repack", &octavo::quant_repack);
   m.impl("quant_linear_tiles", &octavo::quant_linear_tiles);
+  m.impl("amx_linear", &octavo::amx_linear);
   m.impl("rms_norm", &octavo::rms_norm);
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);
