@@ -235,3 +235,47 @@ def test_prefix_hits_per_replica_between_two_scrapes_and_in_the_table(compare, t
     table = compare.render_table(compare.load_runs(tmp_path), "")
     assert "| D r1 | octavo | 0: 300 / 1000 (30%); 1: 256 / 512 (50%) |" in table
     assert "| D r1 | vLLM |" not in table
+
+
+def test_llama_calibration_picks_per_workload_and_the_table_says_what_ran(
+    compare, tmp_path, capsys
+) -> None:
+    """The calibration's helpers as compare.sh calls them: a trial's measure (B's median TPOT,
+    the others' output tok/s), which of two is better, the trials recorded; the table lists
+    every trial with the best in bold and names the configuration each workload's rounds ran."""
+    result = tmp_path / "trial.json"
+    result.write_text(json.dumps({"median_tpot_ms": 17.5, "output_throughput": 140.0}))
+    assert compare.main(["calibration-value", str(result), "B"]) == 0
+    assert compare.main(["calibration-value", str(result), "A"]) == 0
+    assert capsys.readouterr().out.split() == ["17.5", "140.0"]
+    assert compare.main(["calibration-better", "B", "16", "17.5"]) == 0
+    assert compare.main(["calibration-better", "B", "18", "17.5"]) == 1
+    assert compare.main(["calibration-better", "A", "150", "140"]) == 0
+    assert compare.main(["calibration-better", "A", "130", "140"]) == 1
+    trials = tmp_path / "llamacpp-calibration.jsonl"
+    for workload, config, value in [
+        ("A", "per-slot|", 140.0),
+        ("A", "unified|", 60.0),
+        ("A", "per-slot|-b 512 -ub 128", 150.0),
+        ("B", "per-slot|", 17.5),
+        ("B", "unified|", 16.9),
+    ]:
+        assert compare.main(["calibration-record", str(trials), workload, config, str(value)]) == 0
+    lines = compare._calibration_lines(tmp_path)
+    header = (
+        "| workload | KV per slot, defaults | one unified KV pool, defaults | KV per slot, "
+        "`-b 512 -ub 128` |"
+    )
+    assert header in lines
+    assert "| A | 140.0 | 60.0 | **150.0** |" in lines
+    assert "| B | 17.5 | **16.9** | - |" in lines
+    meta = {"kv_tokens": 32768, "kv_tokens_asked": 32768, "dtype": "bfloat16"}
+    _write_run(
+        tmp_path,
+        "A-llamacpp-r1",
+        _result(150.0, 900.0, [[0.01]]),
+        {**meta, "llama_settings": "per-slot|-b 512 -ub 128"},
+    )
+    _write_run(tmp_path, "B-llamacpp-r1", _result(60.0, 90.0, [[0.01]]), meta)
+    table = compare.render_table(compare.load_runs(tmp_path), "## header")
+    assert "llama.cpp ran: A: KV per slot, `-b 512 -ub 128`." in table

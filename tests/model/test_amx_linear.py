@@ -105,6 +105,11 @@ def test_the_calibration_keeps_the_tiles_up_to_where_the_gemm_overtakes(monkeypa
     assert timed_rows == [16, 32, 64, 128, 128]
     (shape,) = timed.report()["shapes"]
     assert shape["format"] == "bf16 tiles" and shape["max_rows"] == 64
+    # Ahead at every size timed: no further than the largest (prompt sizes stay the GEMM's).
+    answers = iter([(1e-3, 2e-3)] * 4)
+    other = torch.zeros(96, 32, dtype=torch.bfloat16)
+    wider = PackedWeight(other, packing.pack_linear_weight(other), max_rows=8)
+    assert timed.bf16_tiles_max_rows(wider) == calibration.BF16_TILES_CALIBRATION_ROWS[-1]
     # The fixed setting names one limit: no tiles.
     assert MatmulCalibration(fixed_rows=8).bf16_tiles_max_rows(fmt) == 0
 

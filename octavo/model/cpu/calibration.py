@@ -75,8 +75,11 @@ ONEDNN_CALIBRATION_ROWS = (32, 256)
 QUANT_CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
 # The batch sizes timed for the AMX tile kernel against dequantizing the weight for the call.
 TILES_CALIBRATION_ROWS = (64, 128, 256, 512, 1024, 2048)
-# The batch sizes timed for a bfloat16 weight's copy in AMX tile order against torch's GEMM.
-BF16_TILES_CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)
+# The batch sizes timed for a bfloat16 weight's copy in AMX tile order against torch's GEMM:
+# decode batches. The tiles take no more rows than the largest size timed: at prompt sizes
+# oneDNN's GEMM runs near the tile units' rate while the tile kernel stays level at 256 rows
+# and falls behind above, which timings of one weight hot in cache do not show.
+BF16_TILES_CALIBRATION_ROWS = (16, 32, 64, 128)
 
 
 def _timed_pair(
@@ -208,9 +211,10 @@ class MatmulCalibration:
         """The row limit of amx_linear on a copy of the PackedWeight `fmt`'s bfloat16 weight in
         tile order (a scratch one, made once per shape) against the format's GEMM above its
         panels (on the oneDNN copy where it has one), timed at BF16_TILES_CALIBRATION_ROWS as
-        packed_max_rows; 0 under the fixed setting (which names one limit). Timed with the
-        weight hot in cache, which favours the GEMM: a decode step reads each weight once from
-        memory, where the tiles' lead is larger (BENCHMARKS.md, 2026-12-06)."""
+        packed_max_rows, and no further than the largest of them; 0 under the fixed setting
+        (which names one limit). Timed with the weight hot in cache, which favours the GEMM: a
+        decode step reads each weight once from memory, where the tiles' lead is larger
+        (BENCHMARKS.md, 2026-12-06)."""
         if self.fixed_rows is not None:
             return 0
         weight = fmt.weight
@@ -231,6 +235,7 @@ class MatmulCalibration:
             ),
             f"{weight.shape[0]} x {weight.shape[1]} weight: AMX tiles",
             "torch's GEMM",
+            capped=True,
         )
 
     def _limit(
@@ -240,6 +245,7 @@ class MatmulCalibration:
         timed: Callable[[int], tuple[float, float]],
         kernel: str,
         other: str,
+        capped: bool = False,
     ) -> int:
         """The row limit of `key`, timing (kernel seconds, torch seconds) = timed(rows) at
         `sizes`, smallest first, until torch's is faster (in two timings running) or one call
@@ -254,7 +260,9 @@ class MatmulCalibration:
                 timings.append((rows, kernel_s, torch_s))
                 if torch_is_faster(kernel_s, torch_s) or kernel_s > CALIBRATION_MAX_CALL_S:
                     break
-            self._limits[key] = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
+            limit = choose_packed_max_rows(timings, CALIBRATION_MARGIN)
+            # Capped: never beyond the sizes timed.
+            self._limits[key] = min(limit, sizes[-1]) if capped else limit
             self._timings[key] = timings
             logger.info(
                 "%s up to %d rows, %s above (%s)",

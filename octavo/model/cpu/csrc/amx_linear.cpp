@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kGroup = 2 * kAmxRows;  // output columns (and rows of x) a tile pair covers
 constexpr int64_t kSliceK = 32;           // values of k per tile row (64 bytes of bf16)
 constexpr int64_t kAhead = 4;             // slices of the weight stream asked for ahead
+constexpr int64_t kChunkSlices = 8;       // slices of k per chunk when x has several blocks
 
 // The 2 KB of one slice of a weight group (32 columns x 32 values), asked for into the caches.
 inline void prefetch_slice(const c10::BFloat16* p) {
@@ -70,86 +71,90 @@ void bf16_rows(const at::Tensor& x, int64_t mp, int64_t kp, std::vector<c10::BFl
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
 #ifdef OCTAVO_AMX
   TORCH_CHECK(amx_permitted(), "amx_linear: this CPU or OS gives no AMX tiles");
   const int64_t slices = tiled.size(1), kp = slices * kSliceK, groups = tiled.size(0);
   TORCH_CHECK(kp >= k && kp - k < kSliceK && groups * kGroup >= n,
               "amx_linear: the tiled weight does not match x and n");
-  if (m == 0 || n == 0) return out;
-  const int64_t mp = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
+  if (m == 0 || n == 0) return at::empty({m, n}, x.options().dtype(at::kFloat));
+  // Up to 16 rows, one tile of x against the group's two; above, blocks of 32 x 32. The
+  // output is written (and read back between k chunks) by whole tiles: rows and columns
+  // padded to them, cut at the end.
+  const bool one_tile = m <= kAmxRows;
+  const int64_t xstep = one_tile ? kAmxRows : kGroup;
+  const int64_t mp = (m + xstep - 1) / xstep * xstep, np = groups * kGroup;
+  at::Tensor out = at::empty({mp, np}, x.options().dtype(at::kFloat));
   std::vector<c10::BFloat16> xrows;
   bf16_rows(x, mp, kp, xrows);
   const c10::BFloat16* w = tiled.data_ptr<c10::BFloat16>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = kp * sizeof(c10::BFloat16);
+  const int64_t row_bytes = kp * sizeof(c10::BFloat16), out_bytes = np * sizeof(float);
+  // One pass of x blocks over a group's k in chunks, so that a chunk of the group's weights
+  // (16 KB) stays in L1 while every block of x uses it; with one block there is one chunk.
+  const int64_t chunk = mp > xstep ? kChunkSlices : slices;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     AmxTiles amx;
-    alignas(64) float sums[4 * kAmxFloats];  // a partial 32 x 32 block of the output
     for (int64_t g = begin; g < end; ++g) {
       const c10::BFloat16* wg = w + g * slices * kGroup * kSliceK;
-      const int64_t wcount = std::min(kGroup, n - g * kGroup);
-      for (int64_t x0 = 0; x0 < m; x0 += kGroup) {
-        const int64_t xcount = std::min(kGroup, m - x0);
-        const c10::BFloat16* xs = xrows.data() + x0 * kp;
-        const c10::BFloat16* ws = wg;
-        // The first pass over a group streams it from memory; later ones find it in cache.
-        const bool stream = x0 == 0;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        if (xcount > kAmxRows) {
-          for (int64_t s = 0; s < slices; ++s, ws += kGroup * kSliceK) {
-            if (stream) prefetch_slice(ws + kAhead * kGroup * kSliceK);
-            _tile_loadd(4, xs + s * kSliceK, row_bytes);
-            _tile_loadd(5, xs + kAmxRows * kp + s * kSliceK, row_bytes);
-            _tile_loadd(6, ws, 64);
-            _tile_loadd(7, ws + kAmxRows * kSliceK, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+      for (int64_t s0 = 0; s0 < slices; s0 += chunk) {
+        const int64_t s1 = std::min(slices, s0 + chunk);
+        for (int64_t x0 = 0; x0 < mp; x0 += xstep) {
+          const c10::BFloat16* xs = xrows.data() + x0 * kp;
+          float* dst = op + x0 * np + g * kGroup;
+          // The first block of x streams the chunk from memory; later ones find it in L1.
+          const bool stream = x0 == 0;
+          if (s0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, dst, out_bytes);
+            _tile_loadd(1, dst + kAmxRows, out_bytes);
+            if (!one_tile) {
+              _tile_loadd(2, dst + kAmxRows * np, out_bytes);
+              _tile_loadd(3, dst + kAmxRows * np + kAmxRows, out_bytes);
+            }
           }
-        } else {
-          for (int64_t s = 0; s < slices; ++s, ws += kGroup * kSliceK) {
-            if (stream) prefetch_slice(ws + kAhead * kGroup * kSliceK);
-            _tile_loadd(4, xs + s * kSliceK, row_bytes);
-            _tile_loadd(6, ws, 64);
-            _tile_loadd(7, ws + kAmxRows * kSliceK, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+          const c10::BFloat16* ws = wg + s0 * kGroup * kSliceK;
+          if (one_tile) {
+            for (int64_t s = s0; s < s1; ++s, ws += kGroup * kSliceK) {
+              if (stream) prefetch_slice(ws + kAhead * kGroup * kSliceK);
+              _tile_loadd(4, xs + s * kSliceK, row_bytes);
+              _tile_loadd(6, ws, 64);
+              _tile_loadd(7, ws + kAmxRows * kSliceK, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+          } else {
+            for (int64_t s = s0; s < s1; ++s, ws += kGroup * kSliceK) {
+              if (stream) prefetch_slice(ws + kAhead * kGroup * kSliceK);
+              _tile_loadd(4, xs + s * kSliceK, row_bytes);
+              _tile_loadd(5, xs + kAmxRows * kp + s * kSliceK, row_bytes);
+              _tile_loadd(6, ws, 64);
+              _tile_loadd(7, ws + kAmxRows * kSliceK, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
           }
-        }
-        float* dst = op + x0 * n + g * kGroup;
-        if (xcount == kGroup && wcount == kGroup) {
-          const int64_t stride = n * sizeof(float);
-          _tile_stored(0, dst, stride);
-          _tile_stored(1, dst + kAmxRows, stride);
-          _tile_stored(2, dst + kAmxRows * n, stride);
-          _tile_stored(3, dst + kAmxRows * n + kAmxRows, stride);
-          continue;
-        }
-        // Tile t = 2 a + b: x rows 16 a + r against columns 16 b + c at [r * 16 + c].
-        _tile_stored(0, sums, 64);
-        _tile_stored(1, sums + kAmxFloats, 64);
-        if (xcount > kAmxRows) {
-          _tile_stored(2, sums + 2 * kAmxFloats, 64);
-          _tile_stored(3, sums + 3 * kAmxFloats, 64);
-        }
-        for (int64_t i = 0; i < xcount; ++i) {
-          const float* src = sums + (i / kAmxRows) * 2 * kAmxFloats + (i % kAmxRows) * kAmxRows;
-          for (int64_t j = 0; j < wcount; ++j) {
-            dst[i * n + j] = src[(j / kAmxRows) * kAmxFloats + j % kAmxRows];
+          _tile_stored(0, dst, out_bytes);
+          _tile_stored(1, dst + kAmxRows, out_bytes);
+          if (!one_tile) {
+            _tile_stored(2, dst + kAmxRows * np, out_bytes);
+            _tile_stored(3, dst + kAmxRows * np + kAmxRows, out_bytes);
           }
         }
       }
     }
   });
-  return out;
+  if (mp == m && np == n) return out;
+  // Rows only: the first m rows of a row-major matrix are contiguous.
+  return np == n ? out.narrow(0, 0, m) : out.narrow(0, 0, m).narrow(1, 0, n).contiguous();
 #else
   TORCH_CHECK(false, "amx_linear: this build has no AMX path");
-  return out;
+  return at::empty({m, n}, x.options().dtype(at::kFloat));
 #endif
 }
 
