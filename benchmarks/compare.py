@@ -306,6 +306,7 @@ def render_table(runs: dict[tuple[str, str], list[dict[str, Any]]], header: str)
         "",
     ]
     lines += _memory_lines(runs, engines)
+    lines += _settings_lines(runs)
     lines += _prefix_lines(runs)
     lines += _machine_lines(runs, engines)
     return "\n".join(lines) + "\n"
@@ -330,6 +331,25 @@ def _memory_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: li
             f"{_fmt(at_a.get('PSS MiB'))} |"
         )
     return lines
+
+
+def _settings_lines(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list:
+    """The llama.cpp configuration each workload's rounds ran, where the runs record one."""
+    settings = {
+        workload: run["llama_settings"]
+        for (workload, engine), rounds in sorted(runs.items())
+        if engine == "llamacpp"
+        for run in rounds
+        if run.get("llama_settings")
+    }
+    if not settings:
+        return []
+    return [
+        "",
+        "llama.cpp ran: "
+        + "; ".join(f"{w}: {describe_llama_config(c)}" for w, c in settings.items())
+        + ".",
+    ]
 
 
 def prefix_hits_by_engine(before: str, after: str) -> dict[str, list[float]]:
@@ -426,6 +446,76 @@ def _machine_lines(runs: dict[tuple[str, str], list[dict[str, Any]]], engines: l
     return lines
 
 
+# -------------------------------------------------------------------- llama.cpp's calibration
+
+
+def calibration_value(result: dict[str, Any], workload: str) -> float:
+    """What a calibration trial is judged by: the median TPOT for B (lower is better), output
+    tok/s for the others (higher is better)."""
+    return result["median_tpot_ms"] if workload == "B" else result["output_throughput"]
+
+
+def calibration_better(workload: str, value: float, best: float) -> bool:
+    return value < best if workload == "B" else value > best
+
+
+def cmd_calibration_value(ns: argparse.Namespace) -> int:
+    print(calibration_value(json.loads(Path(ns.result).read_text()), ns.workload))
+    return 0
+
+
+def cmd_calibration_better(ns: argparse.Namespace) -> int:
+    return 0 if calibration_better(ns.workload, ns.value, ns.best) else 1
+
+
+def cmd_calibration_record(ns: argparse.Namespace) -> int:
+    with open(ns.out, "a") as f:
+        f.write(json.dumps({"workload": ns.workload, "config": ns.config, "value": ns.value}))
+        f.write("\n")
+    return 0
+
+
+def describe_llama_config(config: str) -> str:
+    """'per-slot|-b 512 -ub 128' -> 'KV per slot, -b 512 -ub 128'."""
+    kv, _, flags = config.partition("|")
+    kv = "KV per slot" if kv == "per-slot" else "one unified KV pool"
+    return f"{kv}, `{flags.strip()}`" if flags.strip() else f"{kv}, defaults"
+
+
+def _calibration_lines(results: Path) -> list:
+    """llama.cpp's trials per workload and the one its rounds ran, from
+    llamacpp-calibration.jsonl."""
+    path = results / "llamacpp-calibration.jsonl"
+    if not path.exists():
+        return []
+    values: dict[str, dict[str, float]] = {}  # workload -> config -> value
+    for line in path.read_text().splitlines():
+        if line.strip():
+            trial = json.loads(line)
+            values.setdefault(trial["workload"], {})[trial["config"]] = trial["value"]
+    configs = list(dict.fromkeys(c for trials in values.values() for c in trials))
+    lines = [
+        "",
+        "llama.cpp's configurations, each run briefly per workload before the rounds (a",
+        "quarter of its prompts; B by median TPOT in ms, the others by output tok/s); its",
+        "rounds ran the best (**bold**):",
+        "",
+        "| workload | " + " | ".join(describe_llama_config(c) for c in configs) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
+    for workload, trials in sorted(values.items()):
+        best = next(iter(trials))
+        for config, value in trials.items():
+            if calibration_better(workload, value, trials[best]):
+                best = config
+        cells = [
+            "-" if c not in trials else f"**{_fmt(trials[c])}**" if c == best else _fmt(trials[c])
+            for c in configs
+        ]
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def replace_section(document: str, section: str) -> str:
     """`document` with the text between the markers replaced by `section` (markers kept);
     the marked section is appended if the markers are missing."""
@@ -444,7 +534,8 @@ def cmd_table(ns: argparse.Namespace) -> int:
         return 1
     header_path = results / "header.md"
     header = header_path.read_text().strip() if header_path.exists() else ""
-    table = render_table(runs, header)
+    table = render_table(runs, header) + "\n".join(_calibration_lines(results))
+    table = table.rstrip("\n") + "\n"
     print(table)
     if ns.write:
         target = Path(ns.write)
@@ -494,6 +585,20 @@ def main(argv: list[str] | None = None) -> int:
     table = commands.add_parser("table", help="markdown table of medians and ratios")
     table.add_argument("results")
     table.add_argument("--write", default=None, metavar="BENCHMARKS.md")
+    value = commands.add_parser("calibration-value", help="a calibration trial's measure")
+    value.add_argument("result")
+    value.add_argument("workload")
+    better = commands.add_parser(
+        "calibration-better", help="exit 0 if VALUE beats BEST for the workload"
+    )
+    better.add_argument("workload")
+    better.add_argument("value", type=float)
+    better.add_argument("best", type=float)
+    record = commands.add_parser("calibration-record", help="append a trial to a JSONL file")
+    record.add_argument("out")
+    record.add_argument("workload")
+    record.add_argument("config")
+    record.add_argument("value", type=float)
     ns = parser.parse_args(argv)
     handlers = {
         "kv": cmd_kv,
@@ -502,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         "watch": cmd_watch,
         "prefix-hits": cmd_prefix_hits,
         "table": cmd_table,
+        "calibration-value": cmd_calibration_value,
+        "calibration-better": cmd_calibration_better,
+        "calibration-record": cmd_calibration_record,
     }
     return handlers[ns.command](ns)
 

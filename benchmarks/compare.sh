@@ -63,6 +63,22 @@ OCTAVO_EXTRA=""
 VLLM_EXTRA=""
 LLAMA_EXTRA=""
 LLAMA_KV=per-slot
+LLAMA_CALIBRATE=1
+# llama.cpp's serving configurations tried for each workload before the rounds (see
+# calibrate_llama): "KV mode|flags". Its documented knobs for a server: one KV pool shared by
+# the slots or one per slot, the logical and physical batch sizes (-b/-ub, default 2048/512),
+# and the threads of generation and of prompt batches (-t/-tb, default: every core for both).
+LLAMA_CONFIGS=(
+    "per-slot|"
+    "unified|"
+    "per-slot|-b 512 -ub 128"
+    "per-slot|-b 2048 -ub 2048"
+    "per-slot|-t 1 -tb $NCPU"
+)
+# Per workload, the configuration its rounds run (filled by calibrate_llama, else the
+# --llama-kv / --llama-args setting for all).
+declare -A LLAMA_CHOSEN=()
+LLAMA_RUN=""
 RESULTS=""
 WRITE=1
 SERVED_NAME=smollm2
@@ -97,7 +113,11 @@ Options:
   --vllm-args ARGS      extra flags for vllm serve (quoted)
   --llama-args ARGS     extra flags for llama-server (quoted)
   --llama-kv MODE       llama.cpp's KV cache: per-slot (the --kv-tokens split over its 32
-                        slots) or unified (one pool they share) (default: $LLAMA_KV)
+                        slots) or unified (one pool they share) (default: $LLAMA_KV); with
+                        --no-llama-calibrate, the one every workload runs
+  --no-llama-calibrate  skip llama.cpp's calibration: every workload runs --llama-kv and
+                        --llama-args instead of the best of its serving configurations
+                        (by default each workload first runs each of LLAMA_CONFIGS briefly)
   --port N              port the servers use, one at a time (default: $PORT)
   --results DIR         where results and logs go (default: benchmarks/results/DATE)
   --no-write            print the table but leave BENCHMARKS.md alone
@@ -126,6 +146,7 @@ parse_args() {
             --vllm-args) VLLM_EXTRA=$2; shift ;;
             --llama-args) LLAMA_EXTRA=$2; shift ;;
             --llama-kv) LLAMA_KV=$2; shift ;;
+            --no-llama-calibrate) LLAMA_CALIBRATE=0 ;;
             --port) PORT=$2; shift ;;
             --results) RESULTS=$2; shift ;;
             --no-write) WRITE=0 ;;
@@ -300,12 +321,14 @@ start_server() {  # engine log
         llamacpp)
             # KV_TOKENS over 32 slots (the most concurrent requests of any workload), each
             # slot its own KV_TOKENS / 32 or one pool they share; llama.cpp's default f16 KV.
-            local unified=""
-            [ "$LLAMA_KV" = unified ] && unified=--kv-unified
+            # LLAMA_RUN: the configuration of this run ("KV mode|flags"; its flags come
+            # after the defaults here, so that a -t / -b in them wins).
+            local run=${LLAMA_RUN:-$LLAMA_KV|} unified=""
+            [ "${run%%|*}" = unified ] && unified=--kv-unified
             setsid "$LLAMA_SERVER" -m "${WEIGHTS_GGUF:-$LLAMA_GGUF}" --port "$PORT" \
                 --alias "$SERVED_NAME" \
                 -c "$KV_TOKENS" -np 32 $unified -t "$NCPU" -tb "$NCPU" --no-webui \
-                $LLAMA_EXTRA > "$log_file" 2>&1 &
+                $LLAMA_EXTRA ${run#*|} > "$log_file" 2>&1 &
             ;;
     esac
     SERVER_PID=$!
@@ -354,6 +377,7 @@ bench() {  # extra vllm-bench flags...
 run_one() {  # workload engine round
     local workload=$1 engine=$2 round=$3
     local name=$workload-$engine-r$round
+    LLAMA_RUN=${LLAMA_CHOSEN[$workload]:-}
     start_server "$engine" "$RESULTS/$name.server.log" || { stop_server; return 1; }
     # Warm-up: other prompts (another seed), short, a few at once.
     bench --random-input-len 64 --random-output-len 16 --num-prompts 4 --max-concurrency 4 \
@@ -387,10 +411,15 @@ run_one() {  # workload engine round
     stop_server
     local info
     info=$(helper server-info "$engine" "$RESULTS/$name.server.log" "${props[@]}")
-    "$OCTAVO_PY" - "$RESULTS/$name.meta.json" "$info" "$memory" "$KV_TOKENS" "$prefix" <<'EOF'
+    local settings=""
+    [ "$engine" != llamacpp ] || settings=${LLAMA_RUN:-$LLAMA_KV|}
+    "$OCTAVO_PY" - "$RESULTS/$name.meta.json" "$info" "$memory" "$KV_TOKENS" "$prefix" \
+        "$settings" <<'EOF'
 import json, sys
 meta = {**json.loads(sys.argv[2]), **json.loads(sys.argv[3]), "kv_tokens_asked": int(sys.argv[4])}
 meta.update(json.loads(sys.argv[5]))
+if sys.argv[6]:
+    meta["llama_settings"] = sys.argv[6]
 open(sys.argv[1], "w").write(json.dumps(meta) + "\n")
 EOF
     local summary
@@ -448,6 +477,48 @@ check_llama_start() {
     ENGINES=${ENGINES//llamacpp/}
 }
 
+# Each llama.cpp configuration of LLAMA_CONFIGS runs a short version of each workload (a
+# quarter of its prompts, at least 4, or --num-prompts; the same client, seed and warm-up as the rounds); the
+# workload's rounds then run the best: most output tok/s for A, C and D, the lowest median
+# TPOT for B. The trials go to $RESULTS/calibration/ and llamacpp-calibration.jsonl, which the
+# table reports.
+calibrate_llama() {
+    local dir=$RESULTS/calibration workload config best metric value prompts key
+    mkdir -p "$dir"
+    for workload in "${workload_list[@]}"; do
+        best="" metric=""
+        for config in "${LLAMA_CONFIGS[@]}"; do
+            key=$(echo "$workload-${config%%|*}-${config#*|}" | tr -c 'A-Za-z0-9\n-' '_')
+            LLAMA_RUN=$config
+            if ! start_server llamacpp "$dir/$key.server.log"; then
+                stop_server; log "llama.cpp calibration: $config does not start"; continue
+            fi
+            bench --random-input-len 64 --random-output-len 16 --num-prompts 4 \
+                --max-concurrency 4 --seed $((SEED + 1000)) > /dev/null 2>&1 || true
+            prompts=$(workload_args "$workload" | sed -n 's/.*--num-prompts \([0-9]*\).*/\1/p')
+            [ -n "$NUM_PROMPTS" ] || prompts=$(( prompts / 4 > 4 ? prompts / 4 : 4 ))
+            # shellcheck disable=SC2046
+            bench $(NUM_PROMPTS=$prompts workload_args "$workload") \
+                --seed "$SEED" --save-result --result-dir "$dir" \
+                --result-filename "$key.json" > "$dir/$key.client.log" 2>&1 || true
+            stop_server
+            value=$(helper calibration-value "$dir/$key.json" "$workload" || true)
+            [ -n "$value" ] || { log "llama.cpp calibration: $config gave no result"; continue; }
+            log "llama.cpp calibration, $workload: $config -> $value"
+            helper calibration-record "$RESULTS/llamacpp-calibration.jsonl" "$workload" \
+                "$config" "$value"
+            if [ -z "$best" ] || helper calibration-better "$workload" "$value" "$metric"; then
+                best=$config metric=$value
+            fi
+        done
+        if [ -n "$best" ]; then
+            LLAMA_CHOSEN[$workload]=$best
+            log "llama.cpp calibration, $workload: runs \"$best\""
+        fi
+    done
+    LLAMA_RUN=""
+}
+
 main() {
     parse_args "$@"
     [ -x "$OCTAVO_PY" ] || die "no octavo environment at $OCTAVO_PY (run make setup first)"
@@ -481,6 +552,9 @@ main() {
     IFS=, read -r -a engine_list <<< "$ENGINES"
     IFS=, read -r -a workload_list <<< "$WORKLOADS"
     write_header > "$RESULTS/header.md"
+    if has_engine llamacpp && [ "$LLAMA_CALIBRATE" = 1 ]; then
+        calibrate_llama
+    fi
 
     for round in $(seq "$ROUNDS"); do
         order=("${engine_list[@]}")
