@@ -68,10 +68,12 @@ PROFILER_CONFIG_DEFAULTS: dict[str, Any] = {
     "torch_profiler_with_memory": False,
 }
 # speculative_config (vLLM's SpeculativeConfig): the methods and the fields octavo takes.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 SPECULATIVE_FIELDS = (
     "method",
     "model",
+    "quantization",
+    "draft_tensor_parallel_size",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
@@ -171,6 +173,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Bytes one token of KV takes across all layers (K and V); 0 when no model is attached.
     bytes_per_token: int = 0
+    # A draft model's (speculative decoding): its own cache tensors over the same block ids,
+    # this many bytes a token beside bytes_per_token; 0 without one.
+    draft_bytes_per_token: int = 0
     # The cache tensors' dtype ("" when no model is attached).
     dtype: str = ""
     # KV cache groups (the hybrid KV cache manager): layers of one attention kind, as many per
@@ -261,8 +266,9 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's speculative_config, resolved by resolve_speculative_config):
     how proposals are made and when they are not (core/spec_decode.py makes them)."""
 
-    # SPECULATIVE_METHODS: ngram (prompt lookup in the request's own tokens) or suffix (the
-    # same over earlier requests' outputs too).
+    # SPECULATIVE_METHODS: ngram (prompt lookup in the request's own tokens), suffix (the
+    # same over earlier requests' outputs too) or draft_model (a smaller model's greedy
+    # continuation, run by the runner after each step: worker/drafter.py).
     method: str
     # Most proposed tokens a request verifies per step.
     num_speculative_tokens: int
@@ -280,6 +286,15 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
+    # draft_model: the draft's model as given (a folder, GGUF file or Hub id; EngineConfig's
+    # holds the resolved path) and its --quantization (None: what its files say).
+    model: str | None = None
+    quantization: str | None = None
+
+    @property
+    def drafts_by_model(self) -> bool:
+        """Whether the runner makes the proposals (a draft model), not the scheduler."""
+        return self.method == "draft_model"
 
 
 @dataclass(frozen=True)
@@ -782,8 +797,9 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = setting(
         None,
         'speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram or suffix, '
-        "num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size, "
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram, suffix or '
+        "draft_model (with model, quantization), num_speculative_tokens, "
+        "prompt_lookup_min/max, disable_by_batch_size, "
         "min_acceptance_rate, suffix_decoding_max_tree_depth / _max_cached_requests / "
         "_max_spec_factor (README, Speculative decoding)",
         parse=json_object_flag("speculative_config"),
@@ -997,13 +1013,17 @@ class EngineArgs:
         generation_defaults: Mapping[str, Any] | None = None,
         hf_config_path: str = "",
         st_pooling: Mapping[str, Any] | None = None,
+        draft_model_path: str = "",
+        draft_model_config: ModelConfig | None = None,
     ) -> EngineConfig:
         """Every effective setting for this machine and model (whose weight files hold
         weight_bytes). `tokenizer_path`: the resolved --tokenizer ("": the model's);
         `hf_config_path`: the resolved --hf-config-path ("": the model's config.json);
         `generation_defaults`: the sampling defaults of a --generation-config folder (None:
         the model's own, model_config.sampling_defaults); `st_pooling`: what a
-        sentence-transformers folder's modules.json says of its pooling (None: not one).
+        sentence-transformers folder's modules.json says of its pooling (None: not one);
+        `draft_model_path` / `draft_model_config`: speculative_config's draft model, resolved
+        (method draft_model only).
         Raises ValueError naming the setting when the capacity asked for cannot hold what is
         asked of it, or when the runner, conversion or pooler asked for does not fit the
         model."""
@@ -1027,6 +1047,20 @@ class EngineArgs:
         group_windows, layer_groups = kv_cache_groups(layer_windows)
         group_layers = 1 + max(slot for _, slot in layer_groups)
         bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype, group_layers)
+        speculative = resolve_speculative_config(self.speculative_config)
+        draft_bytes_per_token = 0
+        if speculative is not None and speculative.drafts_by_model:
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative_config: method draft_model with tensor_parallel_size > 1 is "
+                    "not supported (the draft runs in the engine's process)."
+                )
+            check_draft_model(
+                speculative, model_config, draft_model_config, len(group_windows), runner
+            )
+            assert draft_model_config is not None
+            speculative = dataclasses.replace(speculative, model=draft_model_path)
+            draft_bytes_per_token = kv_cache_bytes_per_token(draft_model_config, kv_cache_dtype)
         on_cpu = platform.device_type == "cpu"
         block_size = self.block_size or (
             DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
@@ -1037,6 +1071,7 @@ class EngineArgs:
             platform,
             kv_cache_bytes_per_token(model_config, kv_cache_dtype),
             weight_bytes,
+            draft_bytes_per_token,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         # The longest request the pool holds: with sliding groups, their windows' blocks beside
@@ -1076,6 +1111,7 @@ class EngineArgs:
                 # An encoder's hidden states depend on the whole prompt: no prefix reuse.
                 enable_prefix_caching=self.enable_prefix_caching and model_config.is_causal,
                 bytes_per_token=bytes_per_token,
+                draft_bytes_per_token=draft_bytes_per_token,
                 dtype=kv_cache_dtype,
                 group_windows=group_windows,
                 layer_groups=layer_groups,
@@ -1127,7 +1163,7 @@ class EngineArgs:
             runner=runner,
             convert=convert,
             pooler=pooler,
-            speculative=resolve_speculative_config(self.speculative_config),
+            speculative=speculative,
         )
 
     def _sampling_defaults(
@@ -1154,14 +1190,17 @@ class EngineArgs:
         platform: PlatformInfo,
         model_bytes_per_token: int,
         weight_bytes: int,
+        draft_bytes_per_token: int = 0,
     ) -> int:
         """bytes_per_token: what a block holds per token (one KV cache group's layers);
         model_bytes_per_token: all layers' (kv_cache_tokens counts tokens of every layer, so
-        with groups the pool has that memory in more, smaller blocks)."""
+        with groups the pool has that memory in more, smaller blocks); draft_bytes_per_token:
+        a draft model's, whose cache has a slot for every block's token (a memory budget
+        pays for both; kv_cache_tokens counts the target's tokens, the draft's come on top)."""
         if self.kv_cache_tokens is not None:
             tokens_bytes = -(-self.kv_cache_tokens // block_size) * model_bytes_per_token
             return -(-tokens_bytes // bytes_per_token)
-        block_bytes = bytes_per_token * block_size
+        block_bytes = (bytes_per_token + draft_bytes_per_token) * block_size
         # Data-parallel replicas share this machine's memory (and device): the default and
         # gpu_memory_utilization are split between them; an explicit capacity is each one's.
         replicas = self.data_parallel_size
@@ -1312,9 +1351,13 @@ def capacity_line(
             f"{', '.join(map(str, windows))}: each request holds at most {held} blocks, the "
             "blocks a window has left go back to the pool)"
         )
+    draft = ""
+    if cache.draft_bytes_per_token:
+        draft_mib = cache.num_tokens * cache.draft_bytes_per_token / (1 << 20)
+        draft = f", and the draft model's {draft_mib:.1f} MiB over the same blocks"
     return (
         f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens{layers} = "
-        f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}); "
+        f"{cache.num_tokens} tokens ({mib:.1f} MiB, {cache.dtype or 'no model'}{draft}); "
         f"{fit} requests of max_model_len ({max_model_len}) fit{window}"
     )
 
@@ -1358,6 +1401,35 @@ def resolve_profiler_config(
         os.path.expanduser(str(settings["torch_profiler_dir"]))
     )
     return settings
+
+
+def check_draft_model(
+    speculative: SpeculativeConfig,
+    model_config: ModelConfig,
+    draft_config: ModelConfig | None,
+    num_kv_groups: int,
+    runner: str,
+) -> None:
+    """ValueError where a draft model cannot speculate for this model: its vocabulary differs
+    (its tokens would not be the target's), the target keeps several KV cache groups (the
+    draft's cache follows the one block table), or the model pools rather than generates."""
+    name = speculative.model
+    if draft_config is None:
+        raise ValueError(f"speculative_config: the draft model {name!r} was not read.")
+    if runner != "generate":
+        raise ValueError("speculative_config: a pooling model generates no tokens to draft.")
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {name!r} has a vocabulary of "
+            f"{draft_config.vocab_size} tokens, the model {model_config.vocab_size}; a draft "
+            "must share the model's tokenizer."
+        )
+    if num_kv_groups > 1:
+        raise ValueError(
+            "speculative_config: method draft_model with a model whose sliding-window layers "
+            "keep their own KV cache groups is not supported; add "
+            "--disable-hybrid-kv-cache-manager."
+        )
 
 
 def _merge_spec_flags(
@@ -1413,19 +1485,26 @@ def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeCo
         )
     method, model = given.get("method"), given.get("model")
     if model in ("ngram", "[ngram]") and method in (None, "ngram", "[ngram]"):
-        method = "ngram"
-    elif model is not None:
-        raise ValueError(
-            f"speculative_config: model {model!r}: draft models (method draft_model) are not "
-            "supported yet (issue 29); use method ngram or suffix."
-        )
+        method, model = "ngram", None
+    elif model is not None and method is None:
+        method = "draft_model"  # vLLM's inference for a model that is neither EAGLE nor MTP
     if method == "[ngram]":
         method = "ngram"
     if method not in SPECULATIVE_METHODS:
         raise ValueError(
-            f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}"
-            f"{' (draft_model is not supported yet, issue 29)' if method == 'draft_model' else ''}"
-            f"; got {method!r}."
+            f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+            f"got {method!r}."
+        )
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config: method draft_model needs the draft's model.")
+    elif model is not None or given.get("quantization") is not None:
+        key = "model" if model is not None else "quantization"
+        raise ValueError(f"speculative_config: {key} is a draft model's; method is {method!r}.")
+    if given.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError(
+            "speculative_config: draft_tensor_parallel_size must be 1 (the draft runs whole in "
+            f"the engine's process); got {given['draft_tensor_parallel_size']!r}."
         )
     if given.get("rejection_sample_method", "standard") != "standard":
         raise ValueError(
@@ -1436,7 +1515,7 @@ def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeCo
     default_tokens = depth if method == "suffix" else None
     num_tokens = _positive_int(given, "num_speculative_tokens", default_tokens)
     if num_tokens is None:
-        raise ValueError("speculative_config: num_speculative_tokens is required for ngram.")
+        raise ValueError(f"speculative_config: num_speculative_tokens is required for {method}.")
     lookup_min = _positive_int(given, "prompt_lookup_min", None)
     lookup_max = _positive_int(given, "prompt_lookup_max", None)
     if lookup_min is None and lookup_max is None:
@@ -1472,6 +1551,8 @@ def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeCo
         suffix_decoding_max_tree_depth=depth,
         suffix_decoding_max_cached_requests=cached,
         suffix_decoding_max_spec_factor=spec_factor,
+        model=model,
+        quantization=given.get("quantization"),
     )
 
 

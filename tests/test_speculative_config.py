@@ -28,16 +28,40 @@ def test_ngram_defaults_and_fields() -> None:
     assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
 
 
+def test_draft_model_fields() -> None:
+    """A model that is not [ngram] is a draft model (vLLM's inference), with its own
+    quantization; draft_tensor_parallel_size 1 is the only one."""
+    config = resolve_speculative_config(
+        {
+            "model": "HuggingFaceTB/SmolLM2-135M",
+            "num_speculative_tokens": 3,
+            "quantization": "q8_0",
+            "draft_tensor_parallel_size": 1,
+        }
+    )
+    assert (config.method, config.model, config.quantization) == (
+        "draft_model",
+        "HuggingFaceTB/SmolLM2-135M",
+        "q8_0",
+    )
+    assert config.drafts_by_model and config.num_speculative_tokens == 3
+    assert not resolve_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 2}
+    ).drafts_by_model
+
+
 @pytest.mark.parametrize(
     ("given", "named"),
     [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
-        ({"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 2}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "the draft's model"),
+        ({"model": "HuggingFaceTB/SmolLM2-135M"}, "num_speculative_tokens"),
+        ({"method": "ngram", "model": "some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "suffix", "quantization": "q8_0"}, "quantization"),
         (
-            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            {"model": "some/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
             "draft_tensor_parallel_size",
         ),
         (

@@ -40,6 +40,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptTokenLogprobs] = field(default_factory=dict)
     # Pooling requests whose last prompt token was computed this step: their pooled vector.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # A draft model's proposals (speculative decoding, method draft_model) for the requests
+    # in SchedulerOutput.num_lookahead_tokens: the tokens it proposes after each one's last.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

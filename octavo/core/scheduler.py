@@ -55,6 +55,9 @@ class _StepPlan:
     preempted_req_ids: set[str] = field(default_factory=set)
     # The proposed tokens each scheduled request verifies (those that fit the budget).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Draft-model speculation: the KV slots allocated beyond each request's step, for the
+    # draft's proposals after it (SchedulerOutput.num_lookahead_tokens).
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     def add_running(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         self._add(request, num_new_tokens)
@@ -77,6 +80,7 @@ class _StepPlan:
         self.running_reqs.remove(request)
         del self.new_block_ids[request.request_id]
         self.spec_token_ids.pop(request.request_id, None)
+        self.num_lookahead_tokens.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -214,11 +218,14 @@ class Scheduler:
             num_new_tokens = self._chunk(num_remaining + len(drafts), plan)
             if num_new_tokens <= 0:
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
+            lookahead = self._lookahead(request, request.num_computed_tokens, num_new_tokens, plan)
+            block_ids = self._allocate_or_preempt(request, num_new_tokens + lookahead, plan)
             if block_ids is not None:
                 plan.add_running(request, num_new_tokens, block_ids)
                 if drafts and num_new_tokens > 1:
                     plan.spec_token_ids[request.request_id] = drafts[: num_new_tokens - 1]
+                if lookahead:
+                    plan.num_lookahead_tokens[request.request_id] = lookahead
 
     def _chunk(self, num_remaining: int, plan: _StepPlan) -> int:
         """Tokens a request runs this step: what it has left, within the step's budget and,
@@ -230,6 +237,23 @@ class Scheduler:
         if plan.cap_prompts and 0 < threshold < num_remaining:
             num_remaining = threshold
         return min(num_remaining, plan.token_budget)
+
+    def _lookahead(
+        self, request: Request, num_computed: int, num_new_tokens: int, plan: _StepPlan
+    ) -> int:
+        """KV slots beyond a step of num_new_tokens (after num_computed) for a draft model's
+        proposals after it: where proposals come from a draft model, the step verifies, this
+        step samples the request (its last known token is in it), the request may take two
+        more tokens, and it is not paused for low acceptance; else 0."""
+        spec = self.spec
+        if spec is None or not plan.speculate or not spec.config.drafts_by_model:
+            return 0
+        end = num_computed + num_new_tokens
+        if end < request.num_tokens or not spec.may_propose(request):
+            return 0
+        if request.max_tokens - request.num_output_tokens < 2:
+            return 0
+        return max(0, min(spec.num_speculative_tokens, self.max_model_len - end))
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -287,8 +311,11 @@ class Scheduler:
             )
             if not self.policy.can_admit(candidate, self.running, kv):
                 break
-            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            lookahead = self._lookahead(request, num_hit_tokens, num_new_tokens, plan)
+            if kv.allocate_slots(request, num_new_tokens + lookahead, computed_blocks) is None:
                 break
+            if lookahead:
+                plan.num_lookahead_tokens[request.request_id] = lookahead
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -340,6 +367,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             structured_output_req_ids=self._structured_output_req_ids(plan),
             scheduled_spec_decode_tokens=dict(plan.spec_token_ids),
+            num_lookahead_tokens=dict(plan.num_lookahead_tokens),
         )
 
     def _structured_output_req_ids(self, plan: _StepPlan) -> list[str]:
@@ -380,6 +408,8 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
+        if self.spec is not None:
+            self.spec.receive_drafts(runner_output.draft_token_ids)
         for request_id, reason in runner_output.failed.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -70,6 +70,10 @@ class SchedulerOutput:
     # follow its last known token in its num_scheduled_tokens (1 + their number). The runner
     # returns up to 1 + their number tokens for it (those accepted, then one more).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Draft-model speculation: request_id -> KV slots allocated beyond this step's tokens,
+    # for requests whose step samples and whose next step may verify proposals; the runner's
+    # draft proposes for them after the step, writing its KV at most that far ahead.
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
     # Filled by the engine between schedule and execute: int32 rows of ceil(vocab / 32)
     # words, the allowed-token bits (bit t % 32 of word t // 32 set = token t allowed) of each
     # structured request in turn, one row per position it samples: after its known tokens,

@@ -9,7 +9,9 @@ cumulative counters behind vLLM's spec_decode metrics.
 
 Proposers are plain Python over token ids (no model): `ngram` looks the request's latest
 n-gram up in its own prompt and output; `suffix` also in a bounded cache of earlier requests'
-outputs. Must not: change a Request (the scheduler does), or know about the runner.
+outputs; `draft_model` hands on what the runner's draft model proposed after the step
+(ModelRunnerOutput.draft_token_ids, received before the step's proposals are asked for).
+Must not: change a Request (the scheduler does), or know about the runner's tensors.
 """
 
 from __future__ import annotations
@@ -72,6 +74,25 @@ class NgramProposer:
 
     def finish(self, request: Request) -> None:
         """Nothing is kept across requests."""
+
+
+class DraftModelProposer:
+    """method draft_model: the proposals the runner's draft model made after the last step,
+    for the requests the scheduler gave lookahead slots (the runner proposes; this passes
+    them on, each once, at most max_num_tokens)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.drafts: dict[str, list[int]] = {}
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The last step's proposals; those of an earlier step are stale now."""
+        self.drafts = draft_token_ids
+
+    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+        return self.drafts.pop(request.request_id, [])[:max_num_tokens]
+
+    def finish(self, request: Request) -> None:
+        self.drafts.pop(request.request_id, None)
 
 
 @dataclass(slots=True)
@@ -175,6 +196,9 @@ class SuffixProposer:
                 del self.index[key]
 
 
+PROPOSERS = {"ngram": NgramProposer, "suffix": SuffixProposer, "draft_model": DraftModelProposer}
+
+
 @dataclass(slots=True)
 class _Acceptance:
     """One request's recent acceptance (a moving average of accepted / proposed tokens) and
@@ -201,7 +225,7 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = (SuffixProposer if config.method == "suffix" else NgramProposer)(config)
+        self.proposer = PROPOSERS[config.method](config)
         self.acceptance: dict[str, _Acceptance] = {}
         self.counters = SpecDecodeCounters(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
@@ -211,6 +235,17 @@ class SpecDecoder:
         """Whether a step with num_running running requests verifies proposals."""
         limit = self.config.disable_by_batch_size
         return limit is None or num_running < limit
+
+    def may_propose(self, request: Request) -> bool:
+        """Whether the request's next proposal may be other than none (it is not paused):
+        what decides if a draft model drafts for it."""
+        state = self.acceptance.get(request.request_id)
+        return state is None or state.steps_paused == 0
+
+    def receive_drafts(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """A step's proposals made by the runner's draft model (method draft_model)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.receive(draft_token_ids)
 
     def propose(self, request: Request, max_num_tokens: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_num_tokens) tokens for the request to verify

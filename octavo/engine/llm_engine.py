@@ -384,12 +384,17 @@ def build_core_parts(
         generation_defaults=facts.generation_defaults,
         hf_config_path=facts.hf_config_path,
         st_pooling=facts.st_pooling,
+        draft_model_path=facts.draft_model_path,
+        draft_model_config=facts.draft_model_config,
     )
     runner, backend, config = build_model_runner(config)
     config = dataclasses.replace(config, backend_choices=backend.describe())
     logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
     logger.info("resolved configuration: %s", config.to_json())
     logger.info(weights_line(backend.weights_report.get("bytes_by_type", {})))
+    if "draft_model" in backend.weights_report:
+        draft = backend.weights_report["draft_model"]
+        logger.info("draft model %s: %s", draft["path"], weights_line(draft["bytes_by_type"]))
     logger.info(
         capacity_line(
             config.cache,

@@ -27,11 +27,15 @@ k + 1 positions. Each position is sampled like an ordinary row ("a sample positi
 proposals before it counted as output (penalties, min_tokens, bad words), and the rejection
 sampler (sample/rejection_sampler.py) keeps the proposals while the drawn tokens agree, then
 the first token drawn after them. A seeded request's generator is set back to the draws of the
-tokens it emitted, so its stream does not depend on how many tokens were proposed.
+tokens it emitted, so its stream does not depend on how many tokens were proposed. With a
+draft model (worker/drafter.py) the runner also makes the next step's proposals: after
+sampling, the draft runs over the tokens the step made known and proposes for the requests
+the scheduler asked (ModelRunnerOutput.draft_token_ids).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -56,6 +60,7 @@ from octavo.sample.ops.bitmask import allows_other_tokens, apply_token_bitmask
 from octavo.sample.ops.logprobs import compute_logprobs, gather_logprobs
 from octavo.sample.rejection_sampler import num_accepted_one_hot
 from octavo.sample.sampler import Sampler
+from octavo.worker.drafter import DraftChunk, Drafter
 from octavo.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -120,12 +125,14 @@ class ModelRunner:
         reload_model: Callable[[], nn.Module] | None = None,
         logprobs_mode: str = "raw_logprobs",
         pooler: PoolerConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """`model` was built and loaded with `backend` (model.loader.load_model);
         `reload_model` loads it again from its files (what wake_up needs after a sleep that
         released the weights; None: such a sleep is refused); `logprobs_mode` is the
         sampler's (what reported logprobs are); `pooler`: a pooling model's (how its pooling
-        requests are pooled; None: a generation model, whose requests all sample)."""
+        requests are pooled; None: a generation model, whose requests all sample); `drafter`:
+        speculative decoding's draft model (None: proposals, if any, are the scheduler's)."""
         self.model: nn.Module | None = model
         self.model_config = model_config
         self.backend = backend
@@ -160,6 +167,7 @@ class ModelRunner:
         self.pooler = pooler
         # Pooling requests in the batch, and what their pooler has read so far.
         self.pooling: dict[str, _PoolingState] = {}
+        self.drafter = drafter
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         cache = self._cache_config
@@ -193,6 +201,8 @@ class ModelRunner:
                 )
             self.model = None
         self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
 
     def wake_up(self, tags: Iterable[str]) -> None:
         """Restore what sleep released among `tags`: "weights" (loaded again from the model
@@ -203,6 +213,8 @@ class ModelRunner:
             self.model = self._reload_model()
         if "kv_cache" in tags and not self.kv_caches:
             self.kv_caches = self._allocate_kv_cache()
+            if self.drafter is not None:
+                self.drafter.kv_caches = self.drafter.allocate_kv_cache()
 
     def shutdown(self) -> None:
         """Nothing to stop in process (the tensor-parallel executor stops its workers)."""
@@ -236,7 +248,52 @@ class ModelRunner:
             if num_sampled
             else {}
         )
-        return self._make_output(inputs, sampled, failed, pooled)
+        output = self._make_output(inputs, sampled, failed, pooled)
+        if self.drafter is not None:
+            chunks = self._draft_chunks(inputs, scheduler_output, sampled, failed)
+            try:
+                drafts = self.drafter.propose(self.input_batch, chunks)
+            except Exception:
+                # Proposals only ever cost acceptance, never correctness (every one is
+                # verified): a draft that fails proposes nothing, and the step stands.
+                logger.exception("the draft model failed; no proposals this step")
+                drafts = {}
+            output = dataclasses.replace(output, draft_token_ids=drafts)
+        return output
+
+    def _draft_chunks(
+        self,
+        inputs: StepInputs,
+        scheduler_output: SchedulerOutput,
+        sampled: Sampled,
+        failed: dict[str, str],
+    ) -> list[DraftChunk]:
+        """What the draft runs after this step (call after _make_output appended the emitted
+        tokens): each scheduled row's chunk less its rejected proposals; a row the scheduler
+        asked proposals of also runs its emitted token and proposes as many tokens as its
+        lookahead slots allow (the furthest proposal's input is written at the step's last
+        slot + lookahead)."""
+        batch = self.input_batch
+        lookahead = scheduler_output.num_lookahead_tokens
+        k = self.drafter.num_speculative_tokens
+        chunks: list[DraftChunk] = []
+        for row, seq_len in zip(inputs.scheduled_rows, inputs.seq_lens, strict=True):
+            request_id = batch.rows[row].request_id
+            if request_id in failed:
+                continue
+            start = seq_len - scheduler_output.num_scheduled_tokens[request_id]
+            if row not in sampled:  # a prompt chunk that is not the last
+                chunks.append(DraftChunk(row, start, seq_len, 0))
+                continue
+            num_tokens = int(batch.num_tokens[row])
+            num_drafts = 0
+            if request_id in lookahead:
+                num_drafts = min(k, seq_len + lookahead[request_id] - num_tokens + 1)
+            if num_drafts > 0:
+                chunks.append(DraftChunk(row, start, num_tokens, num_drafts))
+            else:
+                chunks.append(DraftChunk(row, start, num_tokens - 1, 0))
+        return chunks
 
     # --- persistent batch -------------------------------------------------------------------
 

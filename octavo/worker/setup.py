@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from octavo.config import GENERATION_CONFIG_SOURCES, EngineArgs, EngineConfig, PlatformInfo
+from octavo.config import (
+    GENERATION_CONFIG_SOURCES,
+    EngineArgs,
+    EngineConfig,
+    PlatformInfo,
+    resolve_speculative_config,
+)
 from octavo.model.backends import ModelBackend, select_backend
 from octavo.model.config import ModelConfig
 from octavo.model.loader import (
@@ -31,6 +37,7 @@ from octavo.model.loader import (
 from octavo.model.loader.safetensors import weight_files
 from octavo.model.parallel import TRIVIAL, TPGroup, incompatibility, rank_model_config
 from octavo.worker.device import TORCH_DTYPES, probe_platform
+from octavo.worker.drafter import Drafter
 from octavo.worker.model_runner import ModelRunner
 
 # torch's bfloat16 matmuls on a CPU go through oneDNN, and two caches keep what each matmul
@@ -62,6 +69,9 @@ class EngineFacts:
     hf_config_path: str = ""
     # A sentence-transformers folder's pooling (read_st_pooling; None: not one).
     st_pooling: dict[str, Any] | None = None
+    # speculative_config's draft model (method draft_model): its resolved path and config.
+    draft_model_path: str = ""
+    draft_model_config: ModelConfig | None = None
 
 
 def bound_matmul_shape_caches() -> None:
@@ -95,6 +105,11 @@ def probe(args: EngineArgs) -> EngineFacts:
         generation_defaults = read_generation_defaults(
             args.generation_config, args.download_dir, token
         )
+    draft_path, draft_config = "", None
+    speculative = resolve_speculative_config(args.speculative_config)
+    if speculative is not None and speculative.drafts_by_model:
+        draft_path = resolve_model_path(speculative.model, None, args.download_dir, token=token)
+        draft_config = read_model_config(draft_path)
     return EngineFacts(
         probe_platform(args.device),
         model_path,
@@ -104,6 +119,8 @@ def probe(args: EngineArgs) -> EngineFacts:
         generation_defaults,
         hf_config_path,
         read_st_pooling(model_path),
+        draft_path,
+        draft_config,
     )
 
 
@@ -159,6 +176,22 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
     def reload_model() -> nn.Module:
         return load_model(config.model, backend, config.quantization, tp, hf_config, embed)[0]
 
+    drafter = None
+    speculative = config.speculative
+    if speculative is not None and speculative.drafts_by_model:
+        assert speculative.model and tp.size == 1, speculative
+        # prepare_model reports on the model it prepared last: keep the target's report, with
+        # the draft's beside it.
+        report, fused_layer = backend.weights_report, backend.fused_decode_layer
+        draft, draft_config = load_model(speculative.model, backend, speculative.quantization)
+        draft_report = {
+            "path": speculative.model,
+            "bytes_by_type": backend.weights_report.get("bytes_by_type", {}),
+            "fused_decode_layer": backend.fused_decode_layer,
+        }
+        backend.weights_report = {**report, "draft_model": draft_report}
+        backend.fused_decode_layer = fused_layer
+        drafter = Drafter(draft, draft_config, config.cache, backend, speculative)
     runner = ModelRunner(
         model,
         rank_model_config(model_config, tp.size),
@@ -168,5 +201,6 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup) -> tuple[ModelRunner, M
         reload_model if config.enable_sleep_mode else None,
         config.logprobs_mode,
         config.pooler,
+        drafter,
     )
     return runner, backend

@@ -5,12 +5,14 @@ tokens the same as without speculation."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from octavo.config import CacheConfig, SchedulerConfig, resolve_speculative_config
 from octavo.core.outputs import ModelRunnerOutput
+from octavo.core.request import Request
 from octavo.core.scheduler import Scheduler
 from octavo.core.scheduler_output import SchedulerOutput
 from octavo.core.spec_decode import SuffixProposer, find_continuation
@@ -27,7 +29,10 @@ def _spec_scheduler(
     max_model_len: int = 64,
     **spec: object,
 ) -> Scheduler:
-    """create_scheduler's scheduler with proposals (prompt lookup of 1- to 3-grams)."""
+    """create_scheduler's scheduler with proposals (prompt lookup of 1- to 3-grams; a draft
+    model's, which the test plays, under draft_model)."""
+    if method == "draft_model":
+        spec = {"model": "draft", **spec}
     config = resolve_speculative_config(
         {
             "method": method,
@@ -208,12 +213,23 @@ class SimulatedModel:
     """A greedy "model" whose next token is a function of the context (so proposals from
     repeated text are often right, often wrong), and a KV store that records which token
     each slot was last written with: attention may only ever read slots holding the
-    request's true tokens, prefix-cache hits included."""
+    request's true tokens, prefix-cache hits included.
+
+    Under method draft_model it also plays the runner's draft (worker/drafter.py): after the
+    step, its own KV store gets the tokens the step made known, and each request given
+    lookahead slots gets proposals (the model's token 70% of the time), each written at its
+    position first, which must be a slot of the request's blocks. The draft too may only
+    read slots holding true tokens."""
 
     def __init__(self, scheduler: Scheduler, seed: int) -> None:
         self.scheduler = scheduler
         self.seed = seed
         self.kv: dict[tuple[int, int], int] = {}
+        self.draft_kv: dict[tuple[int, int], int] = {}
+        spec = scheduler.spec
+        self.num_draft_tokens = (
+            spec.num_speculative_tokens if spec is not None and spec.config.drafts_by_model else 0
+        )
 
     def next_token(self, context: list[int]) -> int:
         rng = random.Random(hash((self.seed, len(context), tuple(context[-3:]))))
@@ -222,6 +238,7 @@ class SimulatedModel:
     def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         block_size = self.scheduler.block_size
         sampled: dict[str, list[int]] = {}
+        draft_ids: dict[str, list[int]] = {}
         for request_id, num_new in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
@@ -237,6 +254,7 @@ class SimulatedModel:
             for pos in range(start, start + num_new):
                 self.kv[slot(pos)] = tokens[pos]
             if start + num_new < request.num_tokens:
+                self._draft(out, request, start, start + num_new, [], draft_ids)
                 continue  # a prompt chunk that is not the last
             context, emitted = list(request.all_token_ids), []
             for i in range(len(drafts) + 1):
@@ -246,7 +264,48 @@ class SimulatedModel:
                     break
                 context.append(token)
             sampled[request_id] = emitted
-        return _runner_output(self.scheduler, out, sampled)
+            self._draft(out, request, start, start + num_new, emitted, draft_ids)
+        output = _runner_output(self.scheduler, out, sampled)
+        return dataclasses.replace(output, draft_token_ids=draft_ids)
+
+    def _draft(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        start: int,
+        end: int,
+        emitted: list[int],
+        draft_ids: dict[str, list[int]],
+    ) -> None:
+        """The draft after a step that ran positions start..end - 1 and emitted `emitted`."""
+        if not self.num_draft_tokens:
+            return
+        block_size = self.scheduler.block_size
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        known = request.all_token_ids + emitted
+
+        def slot(pos: int) -> tuple[int, int]:
+            assert pos < len(block_ids) * block_size, "a draft write outside the blocks"
+            return block_ids[pos // block_size], pos % block_size
+
+        for pos in range(start):
+            assert self.draft_kv.get(slot(pos)) == known[pos], (request, pos)
+        lookahead = out.num_lookahead_tokens.get(request.request_id, 0)
+        num_drafts = min(self.num_draft_tokens, end + lookahead - len(known) + 1)
+        stop = end if not emitted else len(known) if num_drafts > 0 else len(known) - 1
+        for pos in range(start, stop):
+            self.draft_kv[slot(pos)] = known[pos]
+        if not emitted or num_drafts <= 0:
+            return
+        context, proposals = list(known), []
+        rng = random.Random(hash((self.seed, "draft", len(context))))
+        for i in range(num_drafts):
+            if i:  # the previous proposal's KV, at its position
+                self.draft_kv[slot(len(context) - 1)] = context[-1]
+            token = self.next_token(context) if rng.random() < 0.7 else rng.randrange(20, 24)
+            proposals.append(token)
+            context.append(token)
+        draft_ids[request.request_id] = proposals
 
 
 def _run(scheduler: Scheduler, seed: int, num_requests: int) -> dict[str, list[int]]:
@@ -270,7 +329,7 @@ def _run(scheduler: Scheduler, seed: int, num_requests: int) -> dict[str, list[i
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_random_accept_reject_same_tokens_no_leak(seed: int, method: str) -> None:
     """A small pool (preemptions), a small budget (chunks, cut proposals), prefix caching
     (shared prompts): the tokens equal those without speculation, nothing leaks, and no

@@ -1,9 +1,10 @@
 """Speculative decoding on the embedded model: the same greedy text with and without it, for
-each method, on prompts built so that proposals are often accepted (a passage to repeat) and
-often rejected (free text), in one mixed batch; penalties, logprobs, stop strings, max_tokens
-and n > 1 as without; seeded sampling independent of the batch and of speculation; the
-metrics counted; structured outputs as without (proposals cut where the grammar rejects);
-nothing leaked.
+each method (draft_model: the model less some layers as the draft), on prompts built so that
+proposals are often accepted (a passage to repeat) and often rejected (free text), in one
+mixed batch; penalties, logprobs, stop strings, max_tokens and n > 1 as without; seeded
+sampling independent of the batch and of speculation; the metrics counted; structured outputs
+as without (proposals cut where the grammar rejects); nothing leaked. The draft model also
+through preemption and prefix hits.
 
 The engines run the float reference (packed_max_rows=0: weights dequantized to float32, torch
 matmuls). The packed GGML kernels quantize activations to 8 bits, so two equally valid orders
@@ -23,7 +24,7 @@ from octavo.metrics.reader import Counter, Vector
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.grammar import GuidanceGrammar
 
-from .utils import assert_no_leak
+from .utils import assert_no_leak, write_draft_model
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,13 @@ METHODS = {
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 8,
     },
+    # "model": the draft_dir fixture's folder.
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
 }
+# The embedded model's layers the draft model skips (of 30): it then proposes what the model
+# says about a third of the time on PROMPTS (a draft of its first 12 layers: never; of 26: a
+# fifth).
+DRAFT_SKIPPED = range(12, 18)
 
 
 def _spec_metrics(llm) -> dict[str, object]:
@@ -77,9 +84,21 @@ def reference(float_llm):
     return float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory):
+    return write_draft_model(tmp_path_factory.mktemp("draft"), DRAFT_SKIPPED)
+
+
+def _config(method: str, draft_dir) -> dict[str, object]:
+    config = dict(METHODS[method])
+    if method == "draft_model":
+        config["model"] = str(draft_dir)
+    return config
+
+
 @pytest.fixture(scope="module", params=list(METHODS))
-def spec_llm(request, make_llm):
-    return make_llm(**FLOAT, speculative_config=METHODS[request.param])
+def spec_llm(request, make_llm, draft_dir):
+    return make_llm(**FLOAT, speculative_config=_config(request.param, draft_dir))
 
 
 def _token_ids(outputs) -> list[list[int]]:
@@ -178,3 +197,41 @@ def test_structured_outputs_speculate_and_give_the_same_text(
     assert any(kept < proposed for proposed, kept in checked), checked  # " yellow" cut
     assert any(kept > 0 for _, kept in checked), checked
     assert_no_leak(spec_llm)
+
+
+def test_draft_model_through_preemption_and_prefix_hits(make_llm, draft_dir, reference) -> None:
+    """The draft's cache follows the target's block ids: a pool small enough that requests
+    are preempted and recomputed, then the same prompts again (prefix hits on blocks the draft
+    filled for other requests), give the same greedy text; the memory budget pays for both
+    caches, and the start-up capacity counts the draft's."""
+    config = _config("draft_model", draft_dir)
+    llm = make_llm(**FLOAT, speculative_config=config, kv_cache_tokens=512)
+    engine = llm.llm_engine
+    for _ in range(2):
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert _token_ids(outputs) == _token_ids(reference)
+        assert_no_leak(llm)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.make_stats().prefix_cache_hits > 0
+    metrics = _spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    cache = engine.config.cache
+    assert 0 < cache.draft_bytes_per_token < cache.bytes_per_token
+    budget = 64 << 20
+    sized = make_llm(
+        **FLOAT, speculative_config=config, kv_cache_tokens=None, kv_cache_memory_bytes=budget
+    )
+    assert sized.llm_engine.config.cache.num_blocks == budget // (
+        (cache.bytes_per_token + cache.draft_bytes_per_token) * cache.block_size
+    )
+
+
+def test_draft_model_refused_where_it_cannot_work(make_llm, tmp_path) -> None:
+    """A draft with another vocabulary, or tensor parallelism, is refused at start-up naming
+    why."""
+    from tests.model.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, "llama")
+    config = {"model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(**FLOAT, speculative_config=config)

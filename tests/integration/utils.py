@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from pathlib import Path
+
 from octavo import LLM
+from octavo.model.convert import load_gguf_tokenizer, write_hf_folder
+from octavo.model.loader import find_default_model
+from octavo.model.loader.gguf import open_gguf_checkpoint
 
 
 def assert_no_leak(llm: LLM) -> None:
@@ -35,3 +42,28 @@ def assert_greedy_agrees(expected, got, near_tie: float = 0.1) -> None:
             break
         else:
             assert list(e.token_ids) == list(g.token_ids), f"request {index}: lengths differ"
+
+
+def write_draft_model(out: Path, skipped: range) -> Path:
+    """The embedded model without its layers in `skipped` (the others renumbered in order),
+    with its embeddings, final norm and output head, as a bfloat16 Hugging Face folder in
+    `out`: a draft model with the model's own tokenizer whose guesses are right some of the
+    time (layer skipping)."""
+    source = Path(find_default_model())
+    config, weights = open_gguf_checkpoint(source)
+    kept = [i for i in range(config.num_hidden_layers) if i not in skipped]
+    renumber = {old: new for new, old in enumerate(kept)}
+    config = dataclasses.replace(config, num_hidden_layers=len(kept))
+
+    def tensors():
+        for name, tensor in weights:
+            match = re.search(r"layers\.(\d+)\.", name)
+            if match is None:
+                yield name, tensor
+            elif int(match[1]) in renumber:
+                layer = f"layers.{renumber[int(match[1])]}."
+                yield name[: match.start()] + layer + name[match.end() :], tensor
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_hf_folder(config, tensors(), load_gguf_tokenizer(source), out, "bfloat16")
+    return out
