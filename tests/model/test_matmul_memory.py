@@ -50,6 +50,8 @@ def late_growth_mib(mode: str) -> float:
 
 @pytest.mark.slow
 def test_bfloat16_matmuls_of_many_shapes_level_off():
-    """Unbounded, the second 300 shapes added ~400 MiB on a Zen 4 CPU; capped, ~10 MiB."""
+    """Unbounded, the second 300 shapes add ~400 MiB (Zen 4); capped, 8-11 MiB there and up to
+    24 MiB on other CPUs (the allocator's arenas keep some of what the evicted shapes freed).
+    A cap that does not hold gives hundreds of MiB, far above the bound."""
     growth = late_growth_mib("bounded")
-    assert growth < 24, f"300 more matmul shapes grew resident memory by {growth:.0f} MiB"
+    assert growth < 64, f"300 more matmul shapes grew resident memory by {growth:.0f} MiB"
