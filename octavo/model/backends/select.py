@@ -181,10 +181,12 @@ class ModelBackend:
 
     def _tile_copies(self, packed: list[PackedWeight]) -> int:
         """Give the bfloat16 PackedWeights a copy in AMX tile order (packing.tile_weight) where
-        the CPU has the tiles and the calibration finds them faster than the GEMM above the
-        panels' limit; the copies share one allocation in huge pages, as the panels do.
-        Returns their bytes."""
-        if self.calibration is None or not cpu_ops.amx_tiles_available():
+        the CPU has bfloat16 dot products (AMX tiles or AVX512-BF16) and the calibration finds
+        them faster than the GEMM above the panels' limit; the panels then keep only the rows
+        at which they beat the tiles too (the panels' float32 FMAs are exact, the tiles round
+        x to bfloat16 as the GEMM does). The copies share one allocation in huge pages, as the
+        panels do. Returns their bytes."""
+        if self.calibration is None or not cpu_ops.bf16_tiles_available():
             return 0
         chosen: list[tuple[PackedWeight, int]] = []
         for fmt in packed:
@@ -200,13 +202,15 @@ class ModelBackend:
         for (fmt, limit), copy in zip(chosen, copies):
             fmt.tiles = packing.tile_weight(fmt.weight, out=copy)
             fmt.tiles_max_rows = limit
+            fmt.max_rows = self.calibration.panels_before_tiles(fmt)
         nbytes = sum(c.numel() * c.element_size() for c in copies)
         logger.info(
-            "laid out %d bfloat16 weights in AMX tile order for %d-%d-row matmuls "
+            "laid out %d bfloat16 weights in tile order for %d-%d-row matmuls on %s "
             "(%.0f MiB more), measured faster than torch's GEMM",
             len(chosen),
             min(fmt.max_rows for fmt, _ in chosen) + 1,
             max(limit for _, limit in chosen),
+            "AMX tiles" if cpu_ops.amx_tiles_available() else "AVX512-BF16 dot products",
             nbytes / 2**20,
         )
         return nbytes

@@ -80,6 +80,11 @@ TILES_CALIBRATION_ROWS = (64, 128, 256, 512, 1024, 2048)
 # oneDNN's GEMM runs near the tile units' rate while the tile kernel stays level at 256 rows
 # and falls behind above, which timings of one weight hot in cache do not show.
 BF16_TILES_CALIBRATION_ROWS = (16, 32, 64, 128)
+# The batch sizes at which the panels are timed against the tiles, once a weight has both: the
+# panels keep the rows below the first size at which the tiles are faster (on a Zen 4 from 4
+# rows on: float32 FMAs against bfloat16 pair dot products, twice the products an
+# instruction; level at 1 row, where both read the weight at the memory's rate).
+PANELS_VS_TILES_ROWS = (2, 4, 8, 16, 32, 64, 128)
 
 
 def _timed_pair(
@@ -208,8 +213,8 @@ class MatmulCalibration:
         )
 
     def bf16_tiles_max_rows(self, fmt: Any) -> int:
-        """The row limit of amx_linear on a copy of the PackedWeight `fmt`'s bfloat16 weight in
-        tile order (a scratch one, made once per shape) against the format's GEMM above its
+        """The row limit of tiles_linear on a copy of the PackedWeight `fmt`'s bfloat16 weight
+        in tile order (a scratch one, made once per shape) against the format's GEMM above its
         panels (on the oneDNN copy where it has one), timed at BF16_TILES_CALIBRATION_ROWS as
         packed_max_rows, and no further than the largest of them; 0 under the fixed setting
         (which names one limit). Timed with the weight hot in cache, which favours the GEMM: a
@@ -221,7 +226,7 @@ class MatmulCalibration:
         tiles = functools.cache(lambda: packing.tile_weight(weight))
 
         def tiles_matmul(x: Tensor) -> Tensor:
-            return ops.amx_linear(x, tiles(), weight.shape[0])
+            return ops.tiles_linear(x, tiles(), weight.shape[0])
 
         return self._limit(
             (tuple(weight.shape), "bf16 tiles", weight.dtype, torch.get_num_threads()),
@@ -233,10 +238,29 @@ class MatmulCalibration:
                 torch.float32,
                 self.repeats,
             ),
-            f"{weight.shape[0]} x {weight.shape[1]} weight: AMX tiles",
+            f"{weight.shape[0]} x {weight.shape[1]} weight: bf16 tiles",
             "torch's GEMM",
             capped=True,
         )
+
+    def panels_before_tiles(self, fmt: Any) -> int:
+        """The panels' row limit for a PackedWeight that has its tile-order copy (`tiles`):
+        its limit against the GEMM, lowered to the last of PANELS_VS_TILES_ROWS before the
+        first at which the tiles are faster (1 where they are faster at 2 rows already)."""
+        if self.fixed_rows is not None or fmt.tiles is None:
+            return fmt.max_rows
+        weight = fmt.weight
+        sizes = tuple(r for r in PANELS_VS_TILES_ROWS if r <= fmt.max_rows) or (fmt.max_rows,)
+        limit = self._limit(
+            (tuple(weight.shape), "panels vs bf16 tiles", weight.dtype, torch.get_num_threads()),
+            sizes,
+            _timed_pair(
+                fmt.panels_matmul, fmt.tiles_matmul, weight.shape[1], torch.float32, self.repeats
+            ),
+            f"{weight.shape[0]} x {weight.shape[1]} weight: packed panels",
+            "bf16 tiles",
+        )
+        return max(1, min(fmt.max_rows, limit))
 
     def _limit(
         self,

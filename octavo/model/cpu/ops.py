@@ -120,16 +120,23 @@ def quant_linear_tiles(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
     return torch.ops.octavo.quant_linear_tiles(x, blocks, int(qtype), n)
 
 
-def amx_linear(x: Tensor, tiled: Tensor, n: int) -> Tensor:
+def bf16_tiles_available() -> bool:
+    """Whether tiles_linear runs here: a build for a CPU with bfloat16 dot products
+    (AVX512-BF16, which every CPU with AMX-BF16 also has)."""
+    return bool(torch.ops.octavo.bf16_tiles_available())
+
+
+def tiles_linear(x: Tensor, tiled: Tensor, n: int, amx: bool = True) -> Tensor:
     """x: (m, k) float32 or bfloat16 (others are converted); tiled: packing.tile_weight of a
     bfloat16 (n, k) weight. Returns x @ W^T as (m, n) float32: the float32 sums of the products
-    of x rounded to bfloat16 and W, by AMX tile dot products (torch's bf16 GEMM's numbers up to
-    summation order). Only where amx_tiles_available()."""
+    of x rounded to bfloat16 and W (torch's bf16 GEMM's numbers up to summation order), by AMX
+    tile dot products where the OS grants the tiles (and `amx`), else by AVX512-BF16's. Only
+    where bf16_tiles_available()."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     if not x.is_contiguous():
         x = x.contiguous()
-    return torch.ops.octavo.amx_linear(x, tiled, n)
+    return torch.ops.octavo.tiles_linear(x, tiled, n, amx)
 
 
 def quant_repacked_type(qtype: int) -> int:

@@ -77,7 +77,7 @@ def tiled_shape(weight: Tensor) -> tuple[int, ...]:
 
 
 def tile_weight(weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """A bfloat16 copy of the (n, k) weight in the order amx_linear's tiles load it (written
+    """A bfloat16 copy of the (n, k) weight in the order tiles_linear's kernels read it (written
     into `out`, of tiled_shape, if given): element [g][s][h][p][c][e] = W[32 g + 16 h + c][32 s
     + 2 p + e], zeros past n and k, so that a tile (16 columns of the output, 32 values of k
     as 16 pairs) is 1 KB of contiguous memory."""

@@ -6,10 +6,12 @@ the model is loaded, model/cpu/calibration.py) the kernel takes the matmul, abov
 GEMM on the float weight, which is kept for that. The packed copy is bfloat16 where every value
 of the weight is an exact bf16 number, so its results equal float32 compute's.
 
-On a CPU with AMX a bfloat16 weight may also have a copy in tile order (`tiles`,
-packing.tile_weight), which takes the rows above the panels' limit up to `tiles_max_rows`
-(measured against the GEMM): decode batches of 16-64 rows, where torch's GEMM reads the weight
-well below the memory's bandwidth. Its x is rounded to bfloat16 as the GEMM's is.
+On a CPU with bfloat16 dot products (AMX tiles, or AVX512-BF16 as on AMD's Zen 4) a bfloat16
+weight may also have a copy in tile order (`tiles`, packing.tile_weight), which takes the rows
+above the panels' limit up to `tiles_max_rows` (both measured: the panels against the tiles,
+the tiles against the GEMM): decode batches of a few to 128 rows, where torch's GEMM reads the
+weight well below the memory's bandwidth and the panels' float32 FMAs do half the products an
+instruction. Its x is rounded to bfloat16 as the GEMM's is.
 """
 
 from __future__ import annotations
@@ -42,9 +44,13 @@ class PackedWeight(DenseWeight):
             out += bias
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
+    def panels_matmul(self, x: Tensor) -> Tensor:
+        """x @ W^T on the packed panels (float32 FMAs; float32 x)."""
+        return ops.packed_linear(x, self.packed, self.weight.shape[0])
+
     def tiles_matmul(self, x: Tensor) -> Tensor:
         """x @ W^T on the tile-order copy (float32; needs `tiles`)."""
-        return ops.amx_linear(x, self.tiles, self.weight.shape[0])
+        return ops.tiles_linear(x, self.tiles, self.weight.shape[0])
 
     def gemm_matmul(self, x: Tensor) -> Tensor:
         """x @ W^T by torch's GEMM, as for the rows above every kernel's limit."""

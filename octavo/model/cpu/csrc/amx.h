@@ -7,8 +7,7 @@
 
 #include "simd.h"
 
-#if defined(OCTAVO_AVX512) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(OCTAVO_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define OCTAVO_AMX 1
 
 #include <sys/syscall.h>
@@ -48,10 +47,6 @@ inline bool amx_permitted() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
 }
-
-// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even (store_bf16's
-// rounding, in one instruction: every CPU with AMX-BF16 has AVX512-BF16).
-inline __m512i to_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
 }  // namespace
 }  // namespace octavo

@@ -18,11 +18,12 @@ namespace {
 // one or more types. Packed panels take up to their limit (-1: any) and, where a second part
 // of kind -2 follows with the float weight, torch's GEMM on that above it, as
 // formats/packed.py's PackedWeight.matmul does; between the two a part of kind -3, the weight
-// in AMX tile order (amx_linear), may take the rows from the panels' limit to its own. A block part's limit is the most rows its
-// kernel takes (the weight format's max_rows; -1: any); above it, up to its tile limit
-// (tiles_max_rows; 0: none) the AMX tile kernel takes it, and above that it is dequantized to
-// gemm_dtype and multiplied by torch's GEMM, as formats/quantized.py's QuantizedWeight.matmul
-// does, so the results are the Python formats' own.
+// in AMX tile order (tiles_linear), may take the rows from the panels' limit to its own. A
+// block part's limit is the most rows its kernel takes (the weight format's max_rows; -1:
+// any); above it, up to its tile limit (tiles_max_rows; 0: none) the AMX tile kernel takes it,
+// and above that it is dequantized to gemm_dtype and multiplied by torch's GEMM, as
+// formats/quantized.py's QuantizedWeight.matmul does, so the results are the Python formats'
+// own.
 struct Projections {
   at::TensorList weights;
   at::IntArrayRef kinds, rows, limits, tile_limits, parts;
@@ -105,7 +106,7 @@ struct Projections {
       int64_t entry = begin;
       while (entry + 1 < begin + count && !kernel_takes(entry, m)) ++entry;
       if (kinds[entry] == kDense) return dense(x, weights[entry], bias);
-      out = kinds[entry] == kTiles ? amx_linear(x, weights[entry], rows[entry])
+      out = kinds[entry] == kTiles ? tiles_linear(x, weights[entry], rows[entry], true)
                                    : packed_linear(x, weights[entry], rows[entry]);
     } else if (all_kernel) {
       out = quant_linear_parts(x, weights.slice(begin, count), kinds.slice(begin, count),

@@ -45,10 +45,12 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int
                               int64_t n);
 bool amx_tiles_available();
 
-// amx_linear.cpp
+// tiles_linear.cpp
 // x @ W^T for a bfloat16 weight laid out once in AMX tile order (float32 sums of bf16-rounded
-// operands), where amx_tiles_available().
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t n);
+// operands): AMX tiles where the OS grants them and `amx`, else AVX512-BF16 dot products;
+// where bf16_tiles_available().
+at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t n, bool amx);
+bool bf16_tiles_available();
 
 // elementwise.cpp
 void rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,

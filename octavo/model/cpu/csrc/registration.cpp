@@ -56,9 +56,11 @@ TORCH_LIBRARY(octavo, m) {
   m.def("quant_repack(Tensor blocks, int type, int k) -> Tensor");
   // Many rows on block weights by AMX tiles, where amx_tiles_available().
   m.def("quant_linear_tiles(Tensor x, Tensor blocks, int type, int n) -> Tensor");
-  // Many rows on a bfloat16 weight in tile order by AMX tiles, where amx_tiles_available().
-  m.def("amx_linear(Tensor x, Tensor tiled, int n) -> Tensor");
   m.def("amx_tiles_available() -> bool", &octavo::amx_tiles_available);
+  // Decode batches on a bfloat16 weight in tile order, by AMX tiles or AVX512-BF16 dot
+  // products, where bf16_tiles_available().
+  m.def("tiles_linear(Tensor x, Tensor tiled, int n, bool amx=True) -> Tensor");
+  m.def("bf16_tiles_available() -> bool", &octavo::bf16_tiles_available);
   // The type id of a repacked layout of `type` in this build; `type` itself if it has none.
   m.def("quant_repacked_type(int type) -> int", &octavo::quant_repacked_type);
   // Columns per packed_linear panel in this build (the layout pack_linear_weight must write).
@@ -98,7 +100,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("quant_dequantize", &octavo::quant_dequantize);
   m.impl("quant_repack", &octavo::quant_repack);
   m.impl("quant_linear_tiles", &octavo::quant_linear_tiles);
-  m.impl("amx_linear", &octavo::amx_linear);
+  m.impl("tiles_linear", &octavo::tiles_linear);
   m.impl("rms_norm", &octavo::rms_norm);
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);

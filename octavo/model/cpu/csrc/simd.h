@@ -25,6 +25,9 @@
 #define OCTAVO_AVX2 1
 #if defined(__AVX512F__)
 #define OCTAVO_AVX512 1  // 16-float vectors in packed_linear's tiles and decode attention
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define OCTAVO_AVX512BF16 1  // bfloat16 pair dot products (vdpbf16ps) and roundings
+#endif
 #endif
 #endif
 
@@ -72,6 +75,11 @@ inline void load_split32(const c10::BFloat16* p, __m512& low, __m512& high) {
   high = _mm512_castsi512_ps(
       _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+#ifdef OCTAVO_AVX512BF16
+// Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even (c10::BFloat16's
+// rounding, in one instruction).
+inline __m512i to_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#endif
 // The two halves of v added: the same sum in eight lanes.
 inline __m256 fold16(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),

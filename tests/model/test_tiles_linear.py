@@ -1,7 +1,8 @@
-"""bfloat16 weights in AMX tile order (cpu/packing.py's tile_weight, csrc/amx_linear.cpp): the
-layout, the kernel against the exact product of its bf16-rounded operands, the format taking
-the rows between the panels' limit and its own, the calibration's choice, and the one-call
-decode layer over the tiles against the layer-by-layer forward."""
+"""bfloat16 weights in AMX tile order (cpu/packing.py's tile_weight, csrc/tiles_linear.cpp): the
+layout, both kernels (AMX tiles, AVX512-BF16 dot products) against the exact product of their
+bf16-rounded operands, the format taking the rows between the panels' limit and its own, the
+calibration's choices, and the one-call decode layer over the tiles against the layer-by-layer
+forward."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from octavo.model.formats.packed import PackedWeight
 
 from .tiny import PagedHarness, load, save_tiny_checkpoint
 
-amx = pytest.mark.skipif(
-    not (build.load() and ops.amx_tiles_available()),
-    reason="no AMX-BF16 tiles on this CPU (amx_bf16 in /proc/cpuinfo) or no CPU kernels",
+bf16_dot = pytest.mark.skipif(
+    not (build.load() and ops.bf16_tiles_available()),
+    reason="no bfloat16 dot products on this CPU (avx512_bf16 in /proc/cpuinfo) or no CPU kernels",
 )
 
 
@@ -48,22 +49,24 @@ def test_tile_order_puts_each_weight_where_the_tiles_read_it(n, k):
     assert torch.equal(packing.tile_weight(weight, out=out), tiled)
 
 
-@amx
+@bf16_dot
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 72), (33, 576), (3, 16)])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_amx_linear_is_the_product_of_the_bf16_rounded_operands(n, k, x_dtype):
+@pytest.mark.parametrize("amx", [True, False])
+def test_tiles_linear_is_the_product_of_the_bf16_rounded_operands(n, k, x_dtype, amx):
+    """Both kernels: AMX where the CPU has the tiles (else both runs take the dot products)."""
     gen = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     tiled = packing.tile_weight(weight)
-    for rows in (0, 1, 15, 16, 17, 32, 33, 70):
+    for rows in (0, 1, 11, 12, 13, 15, 16, 17, 32, 33, 70):
         x = torch.randn(rows, k, generator=gen).to(x_dtype)
-        got = ops.amx_linear(x, tiled, n)
+        got = ops.tiles_linear(x, tiled, n, amx=amx)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         exact, bound = _exact_bf16_product(x, weight)
         assert ((got.double() - exact).abs() <= bound).all(), (rows, n, k)
 
 
-@amx
+@bf16_dot
 def test_the_format_takes_the_rows_between_the_panels_limit_and_its_own(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(40, 64, generator=gen).bfloat16()
@@ -73,8 +76,10 @@ def test_the_format_takes_the_rows_between_the_panels_limit_and_its_own(monkeypa
     fmt.tiles, fmt.tiles_max_rows = packing.tile_weight(weight), 16
     assert fmt.nbytes == plain_bytes + fmt.tiles.numel() * 2
     calls = []
-    amx_linear = ops.amx_linear
-    monkeypatch.setattr(ops, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or amx_linear(*a))
+    tiles_linear = ops.tiles_linear
+    monkeypatch.setattr(
+        ops, "tiles_linear", lambda *a: calls.append(a[0].shape[0]) or tiles_linear(*a)
+    )
     for rows in (3, 4, 5, 16, 17, 40):
         x = torch.randn(rows, 64, generator=gen)
         got = fmt.matmul(x, bias)
@@ -114,7 +119,48 @@ def test_the_calibration_keeps_the_tiles_up_to_where_the_gemm_overtakes(monkeypa
     assert MatmulCalibration(fixed_rows=8).bf16_tiles_max_rows(fmt) == 0
 
 
-@amx
+def test_the_panels_keep_the_rows_below_the_first_size_at_which_the_tiles_are_faster(
+    monkeypatch,
+):
+    # (panels s, tiles s) per size of PANELS_VS_TILES_ROWS: level at 2 and 4 rows, the tiles
+    # faster at 8 (twice: a crossing is timed again before it counts).
+    answers = iter([(1e-3, 1e-3)] * 2 + [(2e-3, 1e-3)] * 2)
+    timed_rows = []
+
+    def fake_timed_pair(kernel, other, k, dtype, repeats):
+        return lambda rows: timed_rows.append(rows) or next(answers)
+
+    monkeypatch.setattr(calibration, "_timed_pair", fake_timed_pair)
+
+    def tiled_format(n: int, max_rows: int) -> PackedWeight:
+        weight = torch.zeros(n, 32, dtype=torch.bfloat16)
+        fmt = PackedWeight(weight, packing.pack_linear_weight(weight), max_rows=max_rows)
+        fmt.tiles, fmt.tiles_max_rows = packing.tile_weight(weight), 128
+        return fmt
+
+    timed = MatmulCalibration()
+    fmt = tiled_format(64, max_rows=32)
+    assert timed.panels_before_tiles(fmt) == 4
+    assert timed_rows == [2, 4, 8, 8]
+    shapes = {s["format"]: s for s in timed.report()["shapes"]}
+    assert shapes["panels vs bf16 tiles"]["max_rows"] == 4
+    # The tiles faster at 2 rows already: the panels keep one row.
+    answers = iter([(2e-3, 1e-3)] * 2)
+    assert timed.panels_before_tiles(tiled_format(96, max_rows=32)) == 1
+    # Never above the limit against the GEMM, and only sizes up to it are timed.
+    timed_rows.clear()
+    answers = iter([(1e-3, 2e-3)] * 2)
+    assert timed.panels_before_tiles(tiled_format(128, max_rows=4)) == 4
+    assert timed_rows == [2, 4]
+    # No tiles, or the fixed setting: the limit as it was, nothing timed.
+    plain = tiled_format(160, max_rows=16)
+    plain.tiles = None
+    assert timed.panels_before_tiles(plain) == 16
+    assert MatmulCalibration(fixed_rows=8).panels_before_tiles(tiled_format(192, 8)) == 8
+    assert timed_rows == [2, 4]
+
+
+@bf16_dot
 def test_the_one_call_layer_multiplies_by_the_tiles_between_the_limits(tmp_path):
     """bfloat16 weights under float32 compute, the panels' limit fixed at 2 rows: every
     projection is given tiles up to 8 rows, one projection's tiles made of other values on
@@ -146,7 +192,7 @@ def test_the_one_call_layer_multiplies_by_the_tiles_between_the_limits(tmp_path)
     assert not torch.allclose(decode["a"], fused_logits[1]["a"], atol=1e-3)
 
 
-@amx
+@bf16_dot
 def test_a_timed_load_gives_bf16_weights_tiles_and_counts_their_bytes(tmp_path, monkeypatch):
     """Without a fixed limit (the session's fixture fixes one; undone here) the backend times
     the tiles per shape; wherever it keeps them their limit is above the panels', their bytes
@@ -162,7 +208,16 @@ def test_a_timed_load_gives_bf16_weights_tiles_and_counts_their_bytes(tmp_path, 
     tiled = [f for f in formats if f.tiles is not None]
     assert backend.weights_report["tiles_bytes"] == sum(f.tiles.numel() * 2 for f in tiled)
     for fmt in tiled:
-        assert fmt.tiles_max_rows > fmt.max_rows
+        assert fmt.tiles_max_rows > fmt.max_rows >= 1
         assert torch.equal(fmt.tiles, packing.tile_weight(fmt.weight))
     shapes = backend.weights_report["matmul_calibration"]["shapes"]
     assert any(s["format"] == "bf16 tiles" for s in shapes)
+    if tiled:
+        # The panels were timed against the tiles, and keep no row past that limit.
+        against_tiles = {
+            tuple(s["shape"]): s["max_rows"]
+            for s in shapes
+            if s["format"] == "panels vs bf16 tiles"
+        }
+        for fmt in tiled:
+            assert fmt.max_rows <= against_tiles[tuple(fmt.weight.shape)]
