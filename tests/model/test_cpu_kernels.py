@@ -195,13 +195,13 @@ def test_paged_prefill_attention_with_a_window_and_softcap_matches_reference(
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
-amx_tiles = pytest.mark.skipif(
-    not (build.load() and ops.amx_tiles_available()),
-    reason="no AMX tiles here: the CPU lacks amx_bf16 (or the OS does not give them)",
+bf16_products = pytest.mark.skipif(
+    not (build.load() and ops.bf16_tiles_available()),
+    reason="no bfloat16 dot products here: the CPU lacks avx512_bf16 (or there are no kernels)",
 )
 
 
-@amx_tiles
+@bf16_products
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 128), (10, 2, 40, 5), (2, 1, 20, 3)],
@@ -209,10 +209,12 @@ amx_tiles = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "scale,window,softcap", [(0.125, 0, 0.0), (0.5, 7, 0.0), (0.25, 300, 0.0), (0.5, 50, 2.5)]
 )
-def test_paged_prefill_attention_on_tiles_is_the_reference_with_bf16_operands(
-    num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap
+@pytest.mark.parametrize("amx", [True, False])
+def test_paged_prefill_attention_in_bf16_is_the_reference_with_bf16_operands(
+    num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, amx
 ):
-    """The AMX path rounds the scaled queries and the softmax weights to bfloat16. Against the
+    """The bfloat16 products (AMX tiles where the CPU has them and `amx`, else AVX512-BF16 dot
+    products) round the scaled queries and the softmax weights to bfloat16. Against the
     reference given the same rounded queries (scales are powers of two, so q * scale rounds
     back exactly), what is left is the weights' rounding: at most 2^-9 of each weight, so
     within 2^-8 of the largest value's magnitude (float32 sums otherwise). Head sizes that are
@@ -223,7 +225,7 @@ def test_paged_prefill_attention_on_tiles_is_the_reference_with_bf16_operands(
         chunks, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim
     )
     out = torch.full_like(query, 7.0)
-    ops.paged_prefill_attention(out, query, *args, scale, window, softcap, tiles=True)
+    ops.paged_prefill_attention(out, query, *args, scale, window, softcap, tiles=True, amx=amx)
     rounded = (query * scale).bfloat16().float() / scale
     expected = torch.full_like(query, 7.0)
     reference.paged_prefill_attention_reference(expected, rounded, *args, scale, window, softcap)
@@ -234,7 +236,7 @@ def test_paged_prefill_attention_on_tiles_is_the_reference_with_bf16_operands(
     floats = torch.full_like(query, 7.0)
     ops.paged_prefill_attention(floats, query, *args, scale, window, softcap)
     assert (out - floats).abs().max().item() < 0.05
-    assert not torch.equal(out, floats)  # the tiles did run
+    assert not torch.equal(out, floats)  # the bfloat16 products did run
 
 
 def test_paged_prefill_attention_reads_a_query_view_in_place():

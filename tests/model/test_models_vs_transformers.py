@@ -358,8 +358,9 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
 def test_float32_model_with_a_bfloat16_kv_cache_stays_close(tiny, attention):
     """--kv-cache-dtype bfloat16 with float32 compute: keys and values read from the cache are
     rounded to bf16 (~3 significant digits), so logits drift a little from float32's; on a CPU
-    with AMX tiles the prompt's attention also rounds its queries and softmax weights to bf16
-    (CpuPagedAttention's prefill_tiles), which drifts a little further."""
+    with bfloat16 products (AMX tiles, AVX512-BF16) the prompt's attention also rounds its
+    queries and softmax weights to bf16 (CpuPagedAttention's prefill_tiles), which drifts a
+    little further."""
     hf_model, folder = tiny
     token_ids = _tokens(17, seed=8)
     expected = hf_logits(hf_model, token_ids)

@@ -94,17 +94,15 @@ class CpuPagedAttention(AttentionBackend):
         self._write = (
             _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_write_kv_cache
         )
-        # Prompt chunks on AMX tiles (a bfloat16 cache on a CPU with AMX-BF16; select.py).
+        # Prompt chunks in bfloat16 products (a bfloat16 cache on a CPU with AMX-BF16 or
+        # AVX512-BF16; select.py).
         self.prefill_tiles = prefill_tiles
 
     def choices(self) -> dict[str, str]:
-        return {
-            "prefill_attention": (
-                "amx_tiles: bfloat16 queries and weights, float32 sums"
-                if self.prefill_tiles
-                else "float32"
-            )
-        }
+        if not self.prefill_tiles:
+            return {"prefill_attention": "float32"}
+        unit = "amx_tiles" if ops.amx_tiles_available() else "avx512_bf16"
+        return {"prefill_attention": f"{unit}: bfloat16 queries and weights, float32 sums"}
 
     def plan(self, metadata: AttentionMetadata, window: int = 0) -> PagedPlan:
         return PagedPlan(metadata, decode=_plan_decodes(metadata), prefill=_plan_prefills(metadata))

@@ -52,6 +52,7 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     tiles: bool = False,
+    amx: bool = True,
 ) -> None:
     """Causal attention for chunks of several query tokens, over keys read from the paged
     cache, written into `out`. query, out: (num_tokens, num_heads, head_dim) float32, out
@@ -62,9 +63,10 @@ def paged_prefill_attention(
     sits at position seq_lens[c] - query_lens[c] + i and sees keys 0..that position (its own
     included: the chunk's keys must already be in the cache), under a window only keys
     position - window + 1 .. position; softcap as for paged_decode_attention. Rows outside the
-    chunks are left as they are. tiles: the products on AMX tiles, with the scaled queries and
-    the softmax weights rounded to bfloat16 (float32 sums); only for a bfloat16 cache where
-    amx_tiles_available()."""
+    chunks are left as they are. tiles: the products in bfloat16, with the scaled queries and
+    the softmax weights rounded to bfloat16 (float32 sums), on AMX tiles where the OS grants
+    them (and `amx`), else by AVX512-BF16 dot products; only for a bfloat16 cache where
+    bf16_tiles_available()."""
     torch.ops.octavo.paged_prefill_attention(
         out,
         query,
@@ -78,6 +80,7 @@ def paged_prefill_attention(
         window,
         softcap,
         tiles,
+        amx,
     )
 
 
@@ -102,9 +105,9 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: int, n: int) -> Tensor:
 
 
 def amx_tiles_available() -> bool:
-    """Whether the AMX tile kernels run here (quant_linear_tiles, paged_prefill_attention with
-    tiles=True): a build for a CPU with AMX-BF16, on an OS that gives this process the tile
-    registers."""
+    """Whether the AMX tile kernels run here (quant_linear_tiles; tiles_linear and
+    paged_prefill_attention with tiles=True take them where they can): a build for a CPU with
+    AMX-BF16, on an OS that gives this process the tile registers."""
     return bool(torch.ops.octavo.amx_tiles_available())
 
 

@@ -18,12 +18,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& seq_lens, double scale, int64_t window,
                                   double softcap);
 
-// prefill_attention.cpp (tiles: the AMX path, for a bfloat16 cache where amx_tiles_available)
+// prefill_attention.cpp (tiles: the products in bfloat16 for a bfloat16 cache, on AMX tiles
+// where the OS grants them and `amx`, else by AVX512-BF16 dot products; where
+// bf16_tiles_available())
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, int64_t window,
-                             double softcap, bool tiles);
+                             double softcap, bool tiles, bool amx);
 
 // packed_linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_dim);

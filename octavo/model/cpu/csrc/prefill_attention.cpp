@@ -1,6 +1,9 @@
 // Paged prefill attention: causal attention of prompt chunks over keys read from the paged cache.
 
+#include <optional>
+
 #include "amx.h"
+#include "bf16_dot.h"
 #include "ops.h"
 #include "panels.h"
 
@@ -223,24 +226,28 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
 }
 
 
-#ifdef OCTAVO_AMX
-// The same attention for a bfloat16 cache with its two products on AMX tiles (tdpbf16ps:
-// bfloat16 operands, float32 sums): the scaled query rows are rounded to bfloat16, and so are
-// the softmax weights before they meet the values; the softmax itself stays in float32, with
-// the same key steps, masks and online rescaling as above. Pass 1 lays each (chunk, kv head)'s
-// keys out as the tiles' second operand for q . k (per 16 keys, rows of dimension pairs: key j,
-// dimension d at [j / 16][d / 2][j % 16][d % 2], dimensions padded with zeros to a multiple of
-// 32) and its values for p . v (rows of key pairs: [j / 2][d][j % 2], dimensions padded to 16),
-// keys padded with zeros to a multiple of 32. Pass 2 takes the rows of an item 32 at a time
-// (padded with zero queries) and keys 32 at a time: tiles 0-3 sum a 32 x 32 block (two row
-// tiles by two key or dimension tiles), 4-5 hold the rows' operands, 6-7 the keys' or values'.
+#ifdef OCTAVO_AVX512BF16
+// The same attention for a bfloat16 cache with its two products in bfloat16 (float32 sums):
+// on AMX tiles (tdpbf16ps) with `amx`, else by AVX512-BF16's pair dot products (vdpbf16ps,
+// bf16_dot.h). The scaled query rows are rounded to bfloat16, and so are the softmax weights
+// before they meet the values; the softmax itself stays in float32, with the same key steps,
+// masks and online rescaling as above. Pass 1 lays each (chunk, kv head)'s keys out as the
+// tiles' second operand for q . k (per 16 keys, rows of dimension pairs: key j, dimension d at
+// [j / 16][d / 2][j % 16][d % 2], dimensions padded with zeros to a multiple of 32) and its
+// values for p . v (rows of key pairs: [j / 2][d][j % 2], dimensions padded to 32), keys
+// padded with zeros to a multiple of 32: a row of a tile, 16 keys or dimensions by one pair, is
+// also the 64-byte vector vdpbf16ps takes. Pass 2 takes keys 32 at a time; on AMX the rows of an
+// item 32 at a time (padded with zero queries): tiles 0-3 sum a 32 x 32 block (two row tiles by
+// two key or dimension tiles), 4-5 hold the rows' operands, 6-7 the keys' or values'; with the
+// dot products up to 12 rows at a time in registers (dot_tile).
 void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                                   double scale, int64_t window, double softcap) {
+                                   double scale, int64_t window, double softcap, bool amx) {
   using bf16 = c10::BFloat16;
   auto up = [](int64_t n, int64_t to) { return (n + to - 1) / to * to; };
+  constexpr int64_t kAmxRows = 16;  // rows of an AMX tile (amx.h's, where the build has AMX)
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
@@ -248,7 +255,7 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
   const int64_t query_stride = query.stride(0);
   const int64_t num_chunks = seq_lens.size(0);
   const int64_t dk = up(head_dim, 2 * kAmxRows);  // q . k: 32 products a tile row
-  const int64_t dv = up(head_dim, kAmxRows);      // p . v: 16 output columns a tile
+  const int64_t dv = up(head_dim, 2 * kAmxRows);  // p . v: 32 output columns a block
   const int64_t max_rows = up(group * kQueryTile, 2 * kAmxRows);
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* q_lens = query_lens.data_ptr<int32_t>();
@@ -319,8 +326,15 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
 
   // Pass 2, items in turn per thread as above.
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  // The dot products' operand layouts (bf16_dot.h): keys as 32 output columns (two runs of
+  // 16 keys) over pairs of dimensions, values as 32 output dimensions over pairs of keys.
+  const PairLayout key_layout{2 * kAmxRows, dk * kAmxRows, kDotPairs * 2 * kAmxRows};
+  const PairLayout value_layout{2 * dv, kAmxRows * 2, kDotPairs * 2 * dv};
   at::parallel_for(0, num_threads, 1, [&](int64_t thread_begin, int64_t thread_end) {
-    AmxTiles amx;
+#ifdef OCTAVO_AMX
+    std::optional<AmxTiles> tiles;
+    if (amx) tiles.emplace();
+#endif
     std::vector<bf16> q_rows(max_rows * dk);          // (rows, dk), scaled, zero padded
     std::vector<float> scores(max_rows * kKeyStep);   // (rows, keys): scores, then weights
     std::vector<bf16> weights(max_rows * kKeyStep);  // the weights in bfloat16
@@ -366,8 +380,18 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
         const int64_t first_key = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) : 0;
         for (int64_t j0 = first_key / kKeyStep * kKeyStep; j0 < num_keys; j0 += kKeyStep) {
           const int64_t nk = std::min(kKeyStep, num_keys - j0), nk32 = up(nk, 2 * kAmxRows);
-          // scores[r][jj] = q_r . k_(j0 + jj), 32 rows by 32 keys at a time.
-          for (int64_t r0 = 0; r0 < rows32; r0 += 2 * kAmxRows) {
+          // scores[r][jj] = q_r . k_(j0 + jj), 32 rows (12 with the dot products) by 32 keys
+          // at a time.
+          for (int64_t r0 = 0; !amx && r0 < rows; r0 += kDotRows) {
+            for (int64_t k0 = 0; k0 < nk32; k0 += 2 * kAmxRows) {
+              dot_rows(std::min<int64_t>(kDotRows, rows - r0), q_rows.data() + r0 * dk, dk,
+                       keys + (j0 + k0) / kAmxRows * dk * kAmxRows, key_layout,
+                       dk / (2 * kDotPairs), scores.data() + r0 * kKeyStep + k0, kKeyStep,
+                       2 * kAmxRows, false);
+            }
+          }
+#ifdef OCTAVO_AMX
+          for (int64_t r0 = 0; amx && r0 < rows32; r0 += 2 * kAmxRows) {
             for (int64_t k0 = 0; k0 < nk32; k0 += 2 * kAmxRows) {
               _tile_zero(0);
               _tile_zero(1);
@@ -391,6 +415,7 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
               _tile_stored(3, at + kAmxRows * kKeyStep + kAmxRows, kScoreStride);
             }
           }
+#endif
           for (int64_t r = 0; r < rows; ++r) {
             float* s = scores.data() + r * kKeyStep;
             softmax_step(s, first_pos + r % np - j0, nk, nk32, window, fcap, row_max[r],
@@ -401,8 +426,17 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
                                   to_bf16(_mm512_loadu_ps(s + j), _mm512_loadu_ps(s + j + 16)));
             }
           }
-          // acc[r] += weights[r] @ values, 32 rows by 32 (or the last 16) columns at a time.
-          for (int64_t r0 = 0; r0 < rows32; r0 += 2 * kAmxRows) {
+          // acc[r] += weights[r] @ values, 32 rows (12) by 32 columns at a time.
+          for (int64_t r0 = 0; !amx && r0 < rows; r0 += kDotRows) {
+            for (int64_t n0 = 0; n0 < dv; n0 += 2 * kAmxRows) {
+              dot_rows(std::min<int64_t>(kDotRows, rows - r0), weights.data() + r0 * kKeyStep,
+                       kKeyStep, values + j0 / 2 * 2 * dv + 2 * n0, value_layout,
+                       nk32 / (2 * kDotPairs), acc.data() + r0 * dv + n0, dv, 2 * kAmxRows,
+                       true);
+            }
+          }
+#ifdef OCTAVO_AMX
+          for (int64_t r0 = 0; amx && r0 < rows32; r0 += 2 * kAmxRows) {
             for (int64_t n0 = 0; n0 < dv; n0 += 2 * kAmxRows) {
               const bool two = n0 + kAmxRows < dv;
               float* at = acc.data() + r0 * dv + n0;
@@ -434,6 +468,7 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
               }
             }
           }
+#endif
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = out_base + (starts[c] + p0 + r % np) * out_stride +
@@ -454,16 +489,21 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, int64_t window,
-                             double softcap, bool tiles) {
+                             double softcap, bool tiles, bool amx) {
   if (tiles) {
+#ifdef OCTAVO_AVX512BF16
+    TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16,
+                "paged_prefill_attention: bfloat16 products need a bfloat16 cache");
 #ifdef OCTAVO_AMX
-    TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && amx_permitted(),
-                "paged_prefill_attention: tiles need a bfloat16 cache and AMX tiles");
+    const bool use_amx = amx && amx_permitted();
+#else
+    const bool use_amx = false;
+#endif
     paged_prefill_attention_tiles(out, query, key_cache, value_cache, block_table, query_start,
-                                  query_lens, seq_lens, scale, window, softcap);
+                                  query_lens, seq_lens, scale, window, softcap, use_amx);
     return;
 #else
-    TORCH_CHECK(false, "paged_prefill_attention: this build has no AMX path");
+    TORCH_CHECK(false, "paged_prefill_attention: this build has no bfloat16 dot products");
 #endif
   }
   if (key_cache.scalar_type() == at::kBFloat16) {

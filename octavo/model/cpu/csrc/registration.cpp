@@ -47,7 +47,8 @@ TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
-      "Tensor seq_lens, float scale, int window, float softcap, bool tiles=False) -> ()");
+      "Tensor seq_lens, float scale, int window, float softcap, bool tiles=False, "
+      "bool amx=True) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor blocks, int type, int n) -> Tensor");
   // Block weights of one or more types as one projection (x quantized once, one parallel pass).

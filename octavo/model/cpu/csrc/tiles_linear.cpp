@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "bf16_dot.h"
 #include "ops.h"
 
 namespace octavo {
@@ -73,126 +74,9 @@ void bf16_rows(const at::Tensor& x, int64_t mp, int64_t kp, std::vector<c10::BFl
   });
 }
 
-// ---- AVX512-BF16 ------------------------------------------------------------------------------
-
-constexpr int kDotRows = 12;  // rows of x per register tile: 24 accumulators + 2 weights + x
-
-// One 32-bit pair of bfloat16 values at p, in every lane.
-inline __m512bh broadcast_pair(const c10::BFloat16* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return (__m512bh)_mm512_set1_epi32(pair);
-}
-
-// Row r of the register tile: x's pair at depth kk times the two halves of the weight pair.
-#define OCTAVO_DOT_ROW(r)                                  \
-  if constexpr (MR > r) {                                  \
-    const __m512bh xb = broadcast_pair(x##r + kk);         \
-    c##r##_0 = _mm512_dpbf16_ps(c##r##_0, xb, w0);         \
-    c##r##_1 = _mm512_dpbf16_ps(c##r##_1, xb, w1);         \
-  }
-#define OCTAVO_DOT_LOAD(r)                                                           \
-  if constexpr (MR > r) {                                                            \
-    if (accumulate) {                                                                \
-      c##r##_0 = _mm512_maskz_loadu_ps(lo_mask, out + r * ldo);                      \
-      c##r##_1 = _mm512_maskz_loadu_ps(hi_mask, out + r * ldo + kGroup / 2);         \
-    }                                                                                \
-  }
-#define OCTAVO_DOT_STORE(r)                                                \
-  if constexpr (MR > r) {                                                  \
-    _mm512_mask_storeu_ps(out + r * ldo, lo_mask, c##r##_0);               \
-    _mm512_mask_storeu_ps(out + r * ldo + kGroup / 2, hi_mask, c##r##_1);  \
-  }
-
-// Slices of k per chunk: a chunk of a weight group (16 KB) stays in L1 while every block of x
-// passes over it, and the next chunk is asked for meanwhile.
+// Slices of k per chunk of dot_linear: a chunk of a weight group (16 KB) stays in L1 while every
+// block of x passes over it, and the next chunk is asked for meanwhile.
 constexpr int64_t kDotChunkSlices = 8;
-
-// MR rows of x (bf16, ldx apart, padded with zeros to whole slices) against `slices` slices of
-// one weight group from ws, into out (MR rows, ldo apart, n_valid <= 32 columns; added to it
-// with `accumulate`). Asks for `ahead_lines` cache lines from `ahead` on, two a pair of k, so
-// that the memory streams the next chunk while this one is multiplied. Named accumulators,
-// as packed_tile's.
-template <int MR>
-void dot_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* ws, int64_t slices,
-              float* out, int64_t ldo, int64_t n_valid, bool accumulate, const char* ahead,
-              int64_t ahead_lines) {
-  static_assert(MR >= 1 && MR <= kDotRows, "rows per tile");
-  const int64_t lo = std::min<int64_t>(n_valid, kGroup / 2);
-  const int64_t hi = std::max<int64_t>(n_valid - kGroup / 2, 0);
-  const __mmask16 lo_mask = static_cast<__mmask16>((1u << lo) - 1);
-  const __mmask16 hi_mask = static_cast<__mmask16>((1u << hi) - 1);
-  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0,
-         c2_1 = c0_0, c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0,
-         c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0,
-         c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0,
-         c11_1 = c0_0;
-  OCTAVO_DOT_LOAD(0)
-  OCTAVO_DOT_LOAD(1)
-  OCTAVO_DOT_LOAD(2)
-  OCTAVO_DOT_LOAD(3)
-  OCTAVO_DOT_LOAD(4)
-  OCTAVO_DOT_LOAD(5)
-  OCTAVO_DOT_LOAD(6)
-  OCTAVO_DOT_LOAD(7)
-  OCTAVO_DOT_LOAD(8)
-  OCTAVO_DOT_LOAD(9)
-  OCTAVO_DOT_LOAD(10)
-  OCTAVO_DOT_LOAD(11)
-  const c10::BFloat16* x0 = x;
-  const c10::BFloat16* x1 = x + (MR > 1 ? 1 : 0) * ldx;
-  const c10::BFloat16* x2 = x + (MR > 2 ? 2 : 0) * ldx;
-  const c10::BFloat16* x3 = x + (MR > 3 ? 3 : 0) * ldx;
-  const c10::BFloat16* x4 = x + (MR > 4 ? 4 : 0) * ldx;
-  const c10::BFloat16* x5 = x + (MR > 5 ? 5 : 0) * ldx;
-  const c10::BFloat16* x6 = x + (MR > 6 ? 6 : 0) * ldx;
-  const c10::BFloat16* x7 = x + (MR > 7 ? 7 : 0) * ldx;
-  const c10::BFloat16* x8 = x + (MR > 8 ? 8 : 0) * ldx;
-  const c10::BFloat16* x9 = x + (MR > 9 ? 9 : 0) * ldx;
-  const c10::BFloat16* x10 = x + (MR > 10 ? 10 : 0) * ldx;
-  const c10::BFloat16* x11 = x + (MR > 11 ? 11 : 0) * ldx;
-  int64_t line = 0;
-  for (int64_t s = 0; s < slices; ++s, ws += kSliceElems) {
-    for (int64_t p = 0; p < kSliceK / 2; ++p) {
-      if (line < ahead_lines) {
-        prefetch_line<1>(ahead + 64 * line);
-        prefetch_line<1>(ahead + 64 * line + 64);
-        line += 2;
-      }
-      // Row p of each half's tile: 16 columns x the pair (2p, 2p + 1) of this slice.
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(ws + p * kGroup);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(ws + kSliceElems / 2 + p * kGroup);
-      const int64_t kk = s * kSliceK + 2 * p;
-      OCTAVO_DOT_ROW(0)
-      OCTAVO_DOT_ROW(1)
-      OCTAVO_DOT_ROW(2)
-      OCTAVO_DOT_ROW(3)
-      OCTAVO_DOT_ROW(4)
-      OCTAVO_DOT_ROW(5)
-      OCTAVO_DOT_ROW(6)
-      OCTAVO_DOT_ROW(7)
-      OCTAVO_DOT_ROW(8)
-      OCTAVO_DOT_ROW(9)
-      OCTAVO_DOT_ROW(10)
-      OCTAVO_DOT_ROW(11)
-    }
-  }
-  OCTAVO_DOT_STORE(0)
-  OCTAVO_DOT_STORE(1)
-  OCTAVO_DOT_STORE(2)
-  OCTAVO_DOT_STORE(3)
-  OCTAVO_DOT_STORE(4)
-  OCTAVO_DOT_STORE(5)
-  OCTAVO_DOT_STORE(6)
-  OCTAVO_DOT_STORE(7)
-  OCTAVO_DOT_STORE(8)
-  OCTAVO_DOT_STORE(9)
-  OCTAVO_DOT_STORE(10)
-  OCTAVO_DOT_STORE(11)
-}
-#undef OCTAVO_DOT_ROW
-#undef OCTAVO_DOT_LOAD
-#undef OCTAVO_DOT_STORE
 
 // The AVX512-BF16 kernel: threads take runs of weight groups, a group is taken in chunks of k,
 // and each chunk meets x in blocks of up to kDotRows rows (adding into the output after the
@@ -206,6 +90,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t n) {
   bf16_rows(x, m, kp, xrows);
   const c10::BFloat16* w = tiled.data_ptr<c10::BFloat16>();
   float* op = out.data_ptr<float>();
+  constexpr PairLayout layout{kGroup, kSliceElems / 2, kSliceElems};
   // Blocks of as equal a size as whole blocks allow (32 rows: 11, 11, 10, not 12, 12, 8).
   const int64_t num_blocks = (m + kDotRows - 1) / kDotRows;
   const int64_t block = (m + num_blocks - 1) / num_blocks;
@@ -222,30 +107,9 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t n) {
         const int64_t lines = kDotChunkSlices * kSliceElems * 2 / 64;
         const int64_t share = (lines / num_blocks + 1) / 2 * 2;
         for (int64_t b = 0, r0 = 0; r0 < m; ++b, r0 += block) {
-          const c10::BFloat16* xs = xrows.data() + r0 * kp + s0 * kSliceK;
-          float* dst = op + r0 * n + g * kGroup;
-          const char* ahead = next + 64 * b * share;
-          const int64_t ahead_lines = std::min(share, lines - b * share);
-          switch (std::min(block, m - r0)) {
-#define OCTAVO_DOT_CASE(r)                                                                 \
-  case r:                                                                                  \
-    dot_tile<r>(xs, kp, ws, chunk, dst, n, n_valid, s0 > 0, ahead, ahead_lines); \
-    break;
-            OCTAVO_DOT_CASE(1)
-            OCTAVO_DOT_CASE(2)
-            OCTAVO_DOT_CASE(3)
-            OCTAVO_DOT_CASE(4)
-            OCTAVO_DOT_CASE(5)
-            OCTAVO_DOT_CASE(6)
-            OCTAVO_DOT_CASE(7)
-            OCTAVO_DOT_CASE(8)
-            OCTAVO_DOT_CASE(9)
-            OCTAVO_DOT_CASE(10)
-            OCTAVO_DOT_CASE(11)
-            OCTAVO_DOT_CASE(12)
-#undef OCTAVO_DOT_CASE
-            default: break;
-          }
+          dot_rows(std::min(block, m - r0), xrows.data() + r0 * kp + s0 * kSliceK, kp, ws,
+                   layout, chunk, op + r0 * n + g * kGroup, n, n_valid, s0 > 0,
+                   next + 64 * b * share, std::min(share, lines - b * share));
         }
       }
     }
