@@ -96,6 +96,19 @@ bench() {  # concurrency prompts out
         --num-prompts "$2" --max-concurrency "$1" | tail -1 > "$3"
 }
 
+# octavo's speculation counters (vLLM's names) in the server's /metrics, as "drafts draft
+# tokens accepted tokens"; nothing from a server without them (llama-server).
+spec_counters() {
+    curl -sf "http://127.0.0.1:$PORT/metrics" 2>/dev/null | "$OCTAVO_PY" -c '
+import sys
+totals = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+for line in sys.stdin:
+    for name in totals:
+        if line.startswith("vllm:spec_decode_" + name + "_total"):
+            totals[name] += float(line.split()[-1])
+print(" ".join("%d" % v for v in totals.values()))' || true
+}
+
 for round in $(seq "$ROUNDS"); do
     for engine in octavo llamacpp; do
         names=$OCTAVO_NAMES
@@ -106,13 +119,22 @@ for round in $(seq "$ROUNDS"); do
             for concurrency in $CONCURRENCY; do
                 prompts=$((concurrency == 1 ? 8 : 4 * concurrency))
                 out="$RESULTS/$engine-$name-c$concurrency-r$round.json"
+                before=$(spec_counters)
                 bench "$concurrency" "$prompts" "$out"
+                after=$(spec_counters)
                 log "$engine $name c=$concurrency r$round: $("$OCTAVO_PY" -c '
 import json, sys
 r = json.load(open(sys.argv[1]))
-print("TPOT p50 %.2f ms, %.1f out tok/s, %d failed"
-      % (r["median_tpot_ms"], r["output_throughput"], r["failed"]))
-' "$out")"
+line = "TPOT p50 %.2f ms, %.1f out tok/s, %d failed" % (
+    r["median_tpot_ms"], r["output_throughput"], r["failed"])
+before, after = sys.argv[2].split(), sys.argv[3].split()
+if before and after:
+    drafts, drafted, accepted = (int(a) - int(b) for a, b in zip(after, before))
+    if drafts:
+        line += ", %d of %d drafted tokens accepted, mean acceptance length %.2f" % (
+            accepted, drafted, 1 + accepted / drafts)
+print(line)
+' "$out" "$before" "$after")"
             done
             stop_server
         done
