@@ -91,9 +91,14 @@ start_server() {  # engine configuration
 }
 
 bench() {  # concurrency prompts out
-    "$OCTAVO_PY" -m octavo.entrypoints.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+    # The client exits 1 when a request failed; its JSON line still counts them ("failed"),
+    # and the run goes on. Its first error goes to the log.
+    local report
+    report=$("$OCTAVO_PY" -m octavo.entrypoints.cli bench serve --base-url "http://127.0.0.1:$PORT" \
         --prompt-format grounded --input-len 256 --output-len 128 --ignore-eos \
-        --num-prompts "$2" --max-concurrency "$1" | tail -1 > "$3"
+        --num-prompts "$2" --max-concurrency "$1") || true
+    grep -m1 "requests failed; first error" <<< "$report" >&2 || true
+    tail -1 <<< "$report" > "$3"
 }
 
 # octavo's speculation counters (vLLM's names) in the server's /metrics, as "drafts draft

@@ -309,15 +309,54 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
       const int64_t slot0 = static_cast<int64_t>(table[c * max_blocks + b]) * block_size;
       bf16* kc = key_at(c, g);
       bf16* vc = value_at(c, g);
-      for (int64_t j = j_begin; j < j_end; ++j) {
+      auto source = [&](int64_t j) { return (slot0 + j - j_begin) * slot_stride + g * head_dim; };
+      // The keys and values done by the vector loops; the scalar ones below do the rest (and
+      // the padding keys).
+      int64_t key_done = j_begin, value_done = j_begin;
+#ifdef __AVX512BW__
+      if (head_dim == dk && head_dim == dv && head_dim % 32 == 0) {
+        // 16 keys at a time: word p (dimensions 2p, 2p + 1) of key r goes to word p * 16 + r
+        // of their group, one gather per word across the 16 keys.
+        const __m512i key_rows = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(static_cast<int32_t>(slot_stride / 2)));
+        for (; key_done % kAmxRows == 0 && key_done + kAmxRows <= j_last; key_done += kAmxRows) {
+          const int32_t* src = reinterpret_cast<const int32_t*>(k_base + source(key_done));
+          int32_t* dst = reinterpret_cast<int32_t*>(kc + key_done / kAmxRows * dk * kAmxRows);
+          for (int64_t p = 0; p < head_dim / 2; ++p) {
+            _mm512_storeu_si512(dst + p * kAmxRows, _mm512_i32gather_epi32(key_rows, src + p, 4));
+          }
+        }
+        // Two keys' values at a time, interleaved dimension by dimension.
+        const __m512i low = _mm512_setr_epi32(
+            0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005, 0x00260006,
+            0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b, 0x002c000c, 0x002d000d,
+            0x002e000e, 0x002f000f);
+        const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+        for (; value_done % 2 == 0 && value_done + 2 <= j_last; value_done += 2) {
+          const bf16* first = v_base + source(value_done);
+          const bf16* second = first + slot_stride;
+          bf16* dst = vc + value_done * dv;
+          for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+            const __m512i a = _mm512_loadu_si512(first + d0);
+            const __m512i b = _mm512_loadu_si512(second + d0);
+            _mm512_storeu_si512(dst + 2 * d0, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(dst + 2 * d0 + 32, _mm512_permutex2var_epi16(a, high, b));
+          }
+        }
+      }
+#endif
+      for (int64_t j = key_done; j < j_end; ++j) {
         const bool real = j < j_last;  // else a padding key: zeros
-        const int64_t at = real ? (slot0 + j - j_begin) * slot_stride + g * head_dim : 0;
-        const bf16* ksrc = k_base + at;
-        const bf16* vsrc = v_base + at;
+        const bf16* ksrc = k_base + (real ? source(j) : 0);
         bf16* kdst = kc + (j / kAmxRows) * dk * kAmxRows + j % kAmxRows * 2;
         for (int64_t d = 0; d < dk; ++d) {
           kdst[d / 2 * 2 * kAmxRows + d % 2] = real && d < head_dim ? ksrc[d] : bf16(0.f);
         }
+      }
+      for (int64_t j = value_done; j < j_end; ++j) {
+        const bool real = j < j_last;
+        const bf16* vsrc = v_base + (real ? source(j) : 0);
         bf16* vdst = vc + j / 2 * 2 * dv + j % 2;
         for (int64_t d = 0; d < dv; ++d) vdst[2 * d] = real && d < head_dim ? vsrc[d] : bf16(0.f);
       }
