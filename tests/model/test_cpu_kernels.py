@@ -204,7 +204,14 @@ bf16_products = pytest.mark.skipif(
 @bf16_products
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 128), (10, 2, 40, 5), (2, 1, 20, 3), (6, 2, 64, 24)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 16, 4),
+        (8, 2, 128, 128),
+        (10, 2, 40, 5),
+        (2, 1, 20, 3),
+        (6, 2, 64, 24),
+    ],
 )
 @pytest.mark.parametrize(
     "scale,window,softcap", [(0.125, 0, 0.0), (0.5, 7, 0.0), (0.25, 300, 0.0), (0.5, 50, 2.5)]
