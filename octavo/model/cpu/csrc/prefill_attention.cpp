@@ -313,7 +313,6 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
       // The keys and values done by the vector loops; the scalar ones below do the rest (and
       // the padding keys).
       int64_t key_done = j_begin, value_done = j_begin;
-#ifdef __AVX512BW__
       if (head_dim == dk && head_dim == dv && head_dim % 32 == 0) {
         // 16 keys at a time: word p (dimensions 2p, 2p + 1) of key r goes to word p * 16 + r
         // of their group, one gather per word across the 16 keys.
@@ -345,7 +344,6 @@ void paged_prefill_attention_tiles(at::Tensor& out, const at::Tensor& query,
           }
         }
       }
-#endif
       for (int64_t j = key_done; j < j_end; ++j) {
         const bool real = j < j_last;  // else a padding key: zeros
         const bf16* ksrc = k_base + (real ? source(j) : 0);
