@@ -84,6 +84,13 @@ SPECULATIVE_FIELDS = (
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
 )
+# A step with this many running requests or more verifies no proposal unless
+# disable_by_batch_size says otherwise (vLLM never switches off by batch size). Measured
+# (BENCHMARKS.md, 2026-12-07): on a 2-core Zen 4 EPYC the copying workload gains 1.14x output
+# tok/s at 8 streams and 1.07x at 16, breaks even at 32 (ngram 0.99x, suffix 1.06x), and
+# random prompts at 32 streams (compare.sh's A) lose 3.6% with suffix; at 32 a step is
+# already compute-bound, and every verified token adds a row to it.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
 # embedded model on two cores), so a prompt taking the whole 2,048-token budget freezes every
@@ -276,8 +283,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     # A step with this many running requests or more runs no proposal (vLLM v0's name);
-    # None: never switched off by batch size.
-    disable_by_batch_size: int | None = None
+    # None: never switched off by batch size. Default: DEFAULT_DISABLE_BY_BATCH_SIZE.
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # A request whose share of accepted proposed tokens, over its recent proposals, falls
     # below this stops proposing for a while (octavo's; 0: never).
     min_acceptance_rate: float = 0.1
@@ -1529,7 +1536,10 @@ def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeCo
             f"speculative_config: prompt_lookup_min={lookup_min} must be <= "
             f"prompt_lookup_max={lookup_max}."
         )
-    disable_by_batch_size = _positive_int(given, "disable_by_batch_size", None)
+    # Absent: the measured default; null: never switched off (vLLM's own default).
+    disable_by_batch_size = _positive_int(
+        given, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE
+    )
     cached = given.get("suffix_decoding_max_cached_requests", 10000)
     if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
         raise ValueError(

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from octavo.config import EngineArgs, SpeculativeConfig, resolve_speculative_config
+from octavo.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    EngineArgs,
+    SpeculativeConfig,
+    resolve_speculative_config,
+)
 from octavo.entrypoints.cli import make_parser
 
 
@@ -24,6 +29,18 @@ def test_ngram_defaults_and_fields() -> None:
     )
     assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 4, 4)
     assert config.disable_by_batch_size == 8
+    # Absent: the measured default; null: never switched off by batch size (vLLM's default).
+    assert resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3}) == (
+        SpeculativeConfig("ngram", 3, 5, 5, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    )
+    never = resolve_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    )
+    assert never.disable_by_batch_size is None
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        resolve_speculative_config(
+            {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+        )
     suffix = resolve_speculative_config({"method": "suffix"})
     assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
 
