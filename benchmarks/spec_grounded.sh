@@ -8,6 +8,7 @@
 #
 #     benchmarks/spec_grounded.sh                 # 2 rounds, every configuration below
 #     benchmarks/spec_grounded.sh --rounds 1 --octavo none,suffix --llama none,ngram-mod
+#     benchmarks/spec_grounded.sh --octavo none,ngram4,suffix4 --llama none   # 4 proposed
 #
 # Configurations: octavo's --speculative-config per name in OCTAVO_CONFIGS, llama-server's
 # --spec-type flags per name in LLAMA_CONFIGS ("none": no speculation). Prints one line per
@@ -31,6 +32,9 @@ declare -A OCTAVO_CONFIGS=(
     [none]=""
     [ngram]='{"method":"ngram","num_speculative_tokens":8,"prompt_lookup_min":2,"prompt_lookup_max":8}'
     [suffix]='{"method":"suffix","num_speculative_tokens":8}'
+    # Shorter proposals: where a verified row costs nearly a decode row of compute (no AMX).
+    [ngram4]='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":8}'
+    [suffix4]='{"method":"suffix","num_speculative_tokens":4}'
 )
 # llama.cpp's n-gram types with their own defaults, draft length 8 where it is a setting.
 declare -A LLAMA_CONFIGS=(
