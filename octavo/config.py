@@ -86,10 +86,10 @@ SPECULATIVE_FIELDS = (
 )
 # A step with this many running requests or more verifies no proposal unless
 # disable_by_batch_size says otherwise (vLLM never switches off by batch size). Measured
-# (BENCHMARKS.md, 2026-12-07): on a 2-core Zen 4 EPYC the copying workload gains 1.14x output
-# tok/s at 8 streams and 1.07x at 16, breaks even at 32 (ngram 0.99x, suffix 1.06x), and
-# random prompts at 32 streams (compare.sh's A) lose 3.6% with suffix; at 32 a step is
-# already compute-bound, and every verified token adds a row to it.
+# (BENCHMARKS.md, 2026-12-07): on a 2-core Zen 4 EPYC the copying workload gains 1.23-1.27x
+# output tok/s at 8 streams and 1.07x at 16, breaks even at 32 (ngram 0.99x, suffix 1.06x),
+# and random prompts at 32 streams (compare.sh's A) lose 3.6% with suffix, none with this
+# default; at 32 a step is already compute-bound, and every verified token adds a row to it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 # On a CPU a step's time grows with every prompt token it carries (~1 ms per token for the
