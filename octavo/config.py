@@ -84,8 +84,9 @@ SPECULATIVE_FIELDS = (
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
 )
-# A step with this many running requests or more verifies no proposal unless
-# disable_by_batch_size says otherwise (vLLM never switches off by batch size). Measured
+# On a CPU, a step with this many running requests or more verifies no proposal unless
+# disable_by_batch_size says otherwise (vLLM never switches off by batch size, and neither
+# does octavo on other devices, where it was not measured). Measured
 # (BENCHMARKS.md, 2026-12-07): on a 2-core Zen 4 EPYC the copying workload gains 1.23-1.27x
 # output tok/s at 8 streams and 1.07x at 16, breaks even at 32 (ngram 0.99x, suffix 1.06x),
 # and random prompts at 32 streams (compare.sh's A) lose 3.6% with suffix, none with this
@@ -1069,6 +1070,10 @@ class EngineArgs:
             speculative = dataclasses.replace(speculative, model=draft_model_path)
             draft_bytes_per_token = kv_cache_bytes_per_token(draft_model_config, kv_cache_dtype)
         on_cpu = platform.device_type == "cpu"
+        given_spec = {str(key).replace("-", "_") for key in self.speculative_config or {}}
+        if speculative is not None and not on_cpu and "disable_by_batch_size" not in given_spec:
+            # The default was measured on CPUs; elsewhere vLLM's (never), until measured there.
+            speculative = dataclasses.replace(speculative, disable_by_batch_size=None)
         block_size = self.block_size or (
             DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
         )

@@ -9,6 +9,7 @@ import pytest
 from octavo.config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     EngineArgs,
+    PlatformInfo,
     SpeculativeConfig,
     resolve_speculative_config,
 )
@@ -123,3 +124,23 @@ def test_cli_flag_and_shorthands() -> None:
     assert EngineArgs(speculative_config='{"method": "suffix"}').speculative_config == {
         "method": "suffix"
     }
+
+
+@pytest.mark.parametrize(
+    ("device_type", "given", "expected"),
+    [
+        ("cpu", {}, DEFAULT_DISABLE_BY_BATCH_SIZE),
+        ("cuda", {}, None),  # measured on CPUs only: elsewhere vLLM's never
+        ("cuda", {"disable_by_batch_size": 16}, 16),
+        ("cpu", {"disable_by_batch_size": None}, None),
+    ],
+)
+def test_the_batch_size_default_is_the_cpus(device_type, given, expected) -> None:
+    from tests.model.tiny import tiny_model_config
+
+    platform = PlatformInfo(f"{device_type}:0", device_type, "", 1 << 30, 8 << 30)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, **given}
+    config = EngineArgs(speculative_config=spec, kv_cache_tokens=1024).create_engine_config(
+        platform, tiny_model_config(), "m"
+    )
+    assert config.speculative.disable_by_batch_size == expected
