@@ -284,7 +284,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     # A step with this many running requests or more runs no proposal (vLLM v0's name);
-    # None: never switched off by batch size. Default: DEFAULT_DISABLE_BY_BATCH_SIZE.
+    # None: never switched off by batch size. Default: DEFAULT_DISABLE_BY_BATCH_SIZE on a CPU,
+    # None elsewhere (EngineArgs.create_engine_config).
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # A request whose share of accepted proposed tokens, over its recent proposals, falls
     # below this stops proposing for a while (octavo's; 0: never).
