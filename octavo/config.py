@@ -285,7 +285,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     # A step with this many running requests or more runs no proposal (vLLM v0's name);
     # None: never switched off by batch size. Default: DEFAULT_DISABLE_BY_BATCH_SIZE on a CPU,
-    # None elsewhere (EngineArgs.create_engine_config).
+    # None elsewhere (resolve_speculative_config).
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # A request whose share of accepted proposed tokens, over its recent proposals, falls
     # below this stops proposing for a while (octavo's; 0: never).
@@ -1056,7 +1056,7 @@ class EngineArgs:
         group_windows, layer_groups = kv_cache_groups(layer_windows)
         group_layers = 1 + max(slot for _, slot in layer_groups)
         bytes_per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype, group_layers)
-        speculative = resolve_speculative_config(self.speculative_config)
+        speculative = resolve_speculative_config(self.speculative_config, platform.device_type)
         draft_bytes_per_token = 0
         if speculative is not None and speculative.drafts_by_model:
             if self.tensor_parallel_size > 1:
@@ -1071,10 +1071,6 @@ class EngineArgs:
             speculative = dataclasses.replace(speculative, model=draft_model_path)
             draft_bytes_per_token = kv_cache_bytes_per_token(draft_model_config, kv_cache_dtype)
         on_cpu = platform.device_type == "cpu"
-        given_spec = {str(key).replace("-", "_") for key in self.speculative_config or {}}
-        if speculative is not None and not on_cpu and "disable_by_batch_size" not in given_spec:
-            # The default was measured on CPUs; elsewhere vLLM's (never), until measured there.
-            speculative = dataclasses.replace(speculative, disable_by_batch_size=None)
         block_size = self.block_size or (
             DEFAULT_CPU_BLOCK_SIZE if on_cpu else DEFAULT_GPU_BLOCK_SIZE
         )
@@ -1482,11 +1478,14 @@ def _rate(given: Mapping[str, Any], key: str, default: float, upper: float | Non
     return float(value)
 
 
-def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeConfig | None:
-    """vLLM's speculative_config as octavo runs it; None for none. ValueError naming the
-    field for one octavo does not take (SPECULATIVE_FIELDS lists those it does), a method
-    other than SPECULATIVE_METHODS, or a value out of range. Defaults are vLLM's: ngram looks
-    up 5-grams; suffix proposes up to suffix_decoding_max_tree_depth tokens."""
+def resolve_speculative_config(
+    given: Mapping[str, Any] | None, device_type: str = "cpu"
+) -> SpeculativeConfig | None:
+    """vLLM's speculative_config as octavo runs it on a device of device_type; None for none.
+    ValueError naming the field for one octavo does not take (SPECULATIVE_FIELDS lists those
+    it does), a method other than SPECULATIVE_METHODS, or a value out of range. Defaults are
+    vLLM's (ngram looks up 5-grams; suffix proposes up to suffix_decoding_max_tree_depth
+    tokens) but for disable_by_batch_size on a CPU: DEFAULT_DISABLE_BY_BATCH_SIZE."""
     if given is None:
         return None
     given = {str(key).replace("-", "_"): value for key, value in given.items()}
@@ -1542,10 +1541,9 @@ def resolve_speculative_config(given: Mapping[str, Any] | None) -> SpeculativeCo
             f"speculative_config: prompt_lookup_min={lookup_min} must be <= "
             f"prompt_lookup_max={lookup_max}."
         )
-    # Absent: the measured default; null: never switched off (vLLM's own default).
-    disable_by_batch_size = _positive_int(
-        given, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE
-    )
+    # Absent: the default measured on CPUs, vLLM's never elsewhere; null: never.
+    batch_size_default = DEFAULT_DISABLE_BY_BATCH_SIZE if device_type == "cpu" else None
+    disable_by_batch_size = _positive_int(given, "disable_by_batch_size", batch_size_default)
     cached = given.get("suffix_decoding_max_cached_requests", 10000)
     if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
         raise ValueError(
