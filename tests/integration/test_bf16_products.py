@@ -85,6 +85,7 @@ def test_the_engine_runs_the_bf16_products(bf16_llm) -> None:
     assert choices["compute_dtype"] == "float32" and choices["weight_dtype"] == "bfloat16"
     assert choices["weights"]["tiles_bytes"] > 0
     assert choices["prefill_attention"].startswith(("amx_tiles", "avx512_bf16"))
+    assert choices["decode_attention"].startswith("avx512_bf16")
     assert choices["fused_decode_layer"] == "on"
 
 

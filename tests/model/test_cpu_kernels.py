@@ -246,6 +246,49 @@ def test_paged_prefill_attention_in_bf16_is_the_reference_with_bf16_operands(
     assert not torch.equal(out, floats)  # the bfloat16 products did run
 
 
+@bf16_products
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (8, 2, 128, 16), (28, 4, 64, 32), (12, 4, 128, 8), (8, 8, 64, 5)],
+)
+@pytest.mark.parametrize("scale,window,softcap", [(0.125, 0, 0.0), (0.5, 7, 0.0), (0.5, 0, 2.5)])
+@pytest.mark.parametrize("few", [False, True], ids=["many-seqs", "one-seq"])
+def test_paged_decode_attention_in_bf16_is_the_reference_with_bf16_operands(
+    num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, few
+):
+    """bf16_products rounds the scaled queries and the softmax weights to bfloat16 (as the
+    prompt kernel's bfloat16 products do). Against the reference given the same rounded
+    queries (power-of-two scales: q * scale rounds back exactly), what is left is the weights'
+    rounding, within 2^-8 of the largest value's magnitude. Odd and even block lengths (value
+    rows go two at a time), one sequence split by kv head and many by sequence."""
+    seq_lens = [37] if few else [1, 2, block_size, block_size + 1, 37, 5 * block_size - 1]
+    query, *args = _paged_inputs(
+        len(seq_lens),
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        seed=num_heads + head_dim,
+    )
+    out = ops.paged_decode_attention(query, *args, scale, window, softcap, bf16_products=True)
+    rounded = (query * scale).bfloat16().float() / scale
+    expected = reference.paged_decode_attention_reference(rounded, *args, scale, window, softcap)
+    bound = 2**-8 * args[1].float().abs().max().item()
+    torch.testing.assert_close(out, expected, atol=bound, rtol=0)
+    # The float path on the same cache differs by the queries' and weights' rounding only.
+    floats = ops.paged_decode_attention(query, *args, scale, window, softcap)
+    assert (out - floats).abs().max().item() < 0.05
+    assert not torch.equal(out, floats)  # the bfloat16 products did run
+
+
+def test_paged_decode_attention_refuses_bf16_products_over_a_float32_cache():
+    inputs = _paged_inputs(2, [5, 9], 4, 2, 64, 4, torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="bf16_products needs a bfloat16 cache"):
+        ops.paged_decode_attention(*inputs, 0.3, bf16_products=True)
+
+
 def test_paged_prefill_attention_reads_a_query_view_in_place():
     # The query as the model hands it over: a view into the wider q/k/v projection, its heads
     # contiguous within a token but tokens further apart.
@@ -513,6 +556,10 @@ def test_attention_bench_runs_for_each_batch_and_cache_dtype():
     assert rows == [(1, "float32"), (1, "bfloat16"), (3, "float32"), (3, "bfloat16")]
     for row in result["results"]:
         assert row["kernel_ms"] > 0 and row["reference_ms"] > 0
+        # The bfloat16 products are timed beside the float kernel where the CPU has them.
+        products = row["kv_dtype"] == "bfloat16" and ops.bf16_tiles_available()
+        assert ("bf16_products_ms" in row) == products
+        assert not products or row["bf16_products_ms"] > 0
 
 
 @pytest.mark.parametrize("prefix_len", [0, 21])

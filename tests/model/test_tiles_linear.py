@@ -221,3 +221,32 @@ def test_a_timed_load_gives_bf16_weights_tiles_and_counts_their_bytes(tmp_path, 
         }
         for fmt in tiled:
             assert fmt.max_rows <= against_tiles[tuple(fmt.weight.shape)]
+
+
+@bf16_dot
+def test_decodes_over_a_bf16_cache_take_the_bf16_products_in_both_layer_paths(tmp_path):
+    """Over a bfloat16 cache the backend decodes with paged_decode_attention's bfloat16
+    products (head size 64 here, which the kernel has them for), in the one-call layer as in
+    the layer-by-layer forward: the same logits bit for bit, and not those of the float
+    decode kernel on the same cache."""
+    save_tiny_checkpoint(tmp_path, "llama", seed=6, hidden_size=128, num_attention_heads=2)
+    model, backend = load(tmp_path, kv_cache_dtype=torch.bfloat16, max_rows=2)
+    assert backend.fused_decode_layer == "on" and backend.attention.decode_bf16
+    assert backend.attention.choices()["decode_attention"].startswith("avx512_bf16")
+    prompts = {"a": [5, 9, 2, 7, 4], "b": [3, 8, 1, 6, 6, 2], "c": [7, 7, 1]}
+    steps = [prompts] + [{r: [11 + i + s] for i, r in enumerate(prompts)} for s in range(3)]
+
+    def run() -> list[dict]:
+        harness = PagedHarness(model, backend, seed=3)
+        return [harness.step(scheduled) for scheduled in steps]
+
+    one_call = run()
+    model.model.fused_decode = None
+    layer_by_layer = run()
+    for got, expected in zip(layer_by_layer, one_call, strict=True):
+        assert all(torch.equal(got[r], expected[r]) for r in got)
+    backend.attention.decode_bf16 = False
+    floats = run()
+    assert torch.equal(floats[0]["a"], one_call[0]["a"])  # the prompts: the same kernel
+    assert not torch.equal(floats[1]["a"], one_call[1]["a"])
+    torch.testing.assert_close(floats[1]["a"], one_call[1]["a"], atol=0.05, rtol=0)

@@ -89,7 +89,9 @@ class CpuPagedAttention(AttentionBackend):
 
     name = "cpu_paged"
 
-    def __init__(self, compute_dtype: torch.dtype, prefill_tiles: bool = False) -> None:
+    def __init__(
+        self, compute_dtype: torch.dtype, prefill_tiles: bool = False, decode_bf16: bool = False
+    ) -> None:
         # The write kernel takes float32 keys and values (float32 compute); else torch's.
         self._write = (
             _kernel_write_kv_cache if compute_dtype == torch.float32 else torch_write_kv_cache
@@ -97,12 +99,18 @@ class CpuPagedAttention(AttentionBackend):
         # Prompt chunks in bfloat16 products (a bfloat16 cache on a CPU with AMX-BF16 or
         # AVX512-BF16; select.py).
         self.prefill_tiles = prefill_tiles
+        # Decodes in bfloat16 dot products (the same cache and CPU condition; the fused decode
+        # layer reads this too, fused.py).
+        self.decode_bf16 = decode_bf16
 
     def choices(self) -> dict[str, str]:
+        rounded = "bfloat16 queries and weights, float32 sums"
+        decode = f"avx512_bf16 (head sizes 64, 128; float32 others): {rounded}"
+        choices = {"decode_attention": decode if self.decode_bf16 else "float32"}
         if not self.prefill_tiles:
-            return {"prefill_attention": "float32"}
+            return {**choices, "prefill_attention": "float32"}
         unit = "amx_tiles" if ops.amx_tiles_available() else "avx512_bf16"
-        return {"prefill_attention": f"{unit}: bfloat16 queries and weights, float32 sums"}
+        return {**choices, "prefill_attention": f"{unit}: {rounded}"}
 
     def plan(self, metadata: AttentionMetadata, window: int = 0) -> PagedPlan:
         return PagedPlan(metadata, decode=_plan_decodes(metadata), prefill=_plan_prefills(metadata))
@@ -126,14 +134,16 @@ class CpuPagedAttention(AttentionBackend):
         decode, prefill = plan.decode, plan.prefill
         if decode is not None and decode.token_idx is None:
             # All rows are decodes in batch order: the decode output is the whole output.
-            return _decode(query, kv_cache, decode, scale, window, softcap)
+            return _decode(query, kv_cache, decode, scale, window, softcap, self.decode_bf16)
         dtype = query.dtype
         if not (dtype == torch.float32 and ops.heads_contiguous(query)):
             query = query.float().contiguous()  # what the prefill kernel reads
         output = query.new_empty(query.shape)
         if decode is not None:
             decode_query = query.index_select(0, decode.token_idx)
-            decoded = _decode(decode_query, kv_cache, decode, scale, window, softcap)
+            decoded = _decode(
+                decode_query, kv_cache, decode, scale, window, softcap, self.decode_bf16
+            )
             output.index_copy_(0, decode.token_idx, decoded)
         assert prefill is not None  # not all decodes: some request has several query tokens
         ops.paged_prefill_attention(
@@ -166,9 +176,18 @@ def _decode(
     scale: float,
     window: int,
     softcap: float,
+    bf16_products: bool,
 ) -> Tensor:
     return ops.paged_decode_attention(
-        query, kv_cache[0], kv_cache[1], decode.block_table, decode.seq_lens, scale, window, softcap
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        decode.block_table,
+        decode.seq_lens,
+        scale,
+        window,
+        softcap,
+        bf16_products,
     )
 
 

@@ -12,7 +12,8 @@ With `--attention`, paged decode attention instead: for each number of sequences
 `--context-len` tokens) and each cache dtype, one pass over `--layers` layers' caches (blocks
 of `--block-size` tokens, shuffled as in a pool after some traffic, in huge pages as the engine
 allocates them), the kernel against the plain-torch reference (gather, then einsum and
-softmax), and the K/V bytes per second the kernel reads.
+softmax), and the K/V bytes per second the kernel reads; over a bfloat16 cache on a CPU with
+AVX512-BF16, also the kernel's bfloat16 products (bf16_products), alternated with the float one.
 
 With `--prefill`, paged prefill attention: for each prompt chunk length (`--prompt-lens`, after
 `--prefix-len` cached tokens), one pass over `--layers` layers' float32 caches, the kernel
@@ -24,6 +25,7 @@ causal work.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -138,7 +140,22 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
                 for key, value in caches:
                     fn(query, key, value, table, lens, head_dim**-0.5)
 
-            kernel_ms = _median_ms(lambda: run(ops.paged_decode_attention), ns.repeats)
+            # Over a bfloat16 cache, the float kernel alternated with the bfloat16 products
+            # where the CPU has them (the engine's choice there).
+            bf16 = dtype == torch.bfloat16 and ops.bf16_tiles_available()
+            if bf16:
+                timed = _interleaved_median_ms(
+                    {
+                        "float": lambda: run(ops.paged_decode_attention),
+                        "bf16": lambda: run(
+                            functools.partial(ops.paged_decode_attention, bf16_products=True)
+                        ),
+                    },
+                    ns.repeats,
+                )
+                kernel_ms, products_ms = timed["float"], timed["bf16"]
+            else:
+                kernel_ms = _median_ms(lambda: run(ops.paged_decode_attention), ns.repeats)
             reference_ms = _median_ms(
                 lambda: run(reference.paged_decode_attention_reference), max(ns.repeats // 2, 1)
             )
@@ -150,11 +167,13 @@ def run_attention_bench(ns: argparse.Namespace) -> int:
                 "reference_ms": round(reference_ms, 2),
                 "kernel_gb_s": round(read * dtype.itemsize / (kernel_ms * 1e-3) / 1e9, 1),
             }
+            if bf16:
+                row["bf16_products_ms"] = round(products_ms, 2)
             results.append(row)
             print(
                 f"{seqs:4d} seqs, {row['kv_dtype']:8s} cache: kernel {kernel_ms:8.2f} ms, "
                 f"reference {reference_ms:8.2f} ms; kernel reads {row['kernel_gb_s']:5.1f} "
-                "GB/s",
+                "GB/s" + (f"; bfloat16 products {products_ms:8.2f} ms" if bf16 else ""),
                 flush=True,
             )
     print(json.dumps({"layers": ns.layers, "context_len": ns.context_len, "results": results}))

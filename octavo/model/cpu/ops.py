@@ -23,18 +23,23 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    bf16_products: bool = False,
 ) -> Tensor:
     """query: (num_seqs, num_heads, head_dim); key_cache, value_cache: (num_blocks, block_size,
     num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
     max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1. Returns (num_seqs, num_heads,
     head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads).
     window > 0: each query sees only its sequence's last `window` keys; softcap > 0: scores
-    become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    become softcap * tanh(score / softcap) before the softmax (Gemma 2). bf16_products (a
+    bfloat16 cache only): the products in bfloat16 by AVX512-BF16 dot products, the scaled
+    queries and the softmax weights rounded to bfloat16 (float32 sums), as
+    paged_prefill_attention's `tiles`, where the build has them for the head size (64, 128;
+    bf16_tiles_available()), else as without."""
     dtype = query.dtype
     if not (dtype == torch.float32 and query.is_contiguous()):
         query = query.float().contiguous()
     out = torch.ops.octavo.paged_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap, bf16_products
     )
     return out if dtype == torch.float32 else out.to(dtype)
 
@@ -218,17 +223,16 @@ def decode_layer(
     hidden, residual: (num_tokens, hidden) float32 contiguous; hidden is overwritten and
     residual becomes the stream after this layer's attention. layer_args: the layer's weights
     and sizes, (input_norm, post_norm, eps, weights, kinds, rows, limits, tile_limits, parts,
-    gemm_dtype,
-    qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind,
-    residual_multiplier, num_heads, num_kv_heads, head_dim, scale, window): the four
-    projections' weights as parts (packed, or GGML blocks with their type id, the block kernel
-    up to `limits` rows, the AMX tiles up to `tile_limits` and torch's GEMM in gemm_dtype
-    above; decode_layer.cpp), optional
-    biases, optional q/k norm
-    weights (qk_norm_kind 1: per head, Qwen3; 2: over the projections, OLMoE; 0: none) and
-    the scale of each sublayer's output (Granite; fused.py builds them all); cos, sin: (num_tokens,
-    head_dim) float32; the last three as for paged_decode_attention (cut for the layer's
-    window: 0 or its sliding window), slot_mapping as for write_kv_cache.
+    gemm_dtype, qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm, qk_norm_kind,
+    residual_multiplier, num_heads, num_kv_heads, head_dim, bf16_attention, scale, window):
+    the four projections' weights as parts (packed, or GGML blocks with their type id, the
+    block kernel up to `limits` rows, the AMX tiles up to `tile_limits` and torch's GEMM in
+    gemm_dtype above; decode_layer.cpp), optional biases, optional q/k norm weights
+    (qk_norm_kind 1: per head, Qwen3; 2: over the projections, OLMoE; 0: none), the scale of
+    each sublayer's output (Granite) and whether attention takes paged_decode_attention's
+    bf16_products (fused.py builds them all); cos, sin: (num_tokens, head_dim) float32; the
+    last three as for paged_decode_attention (cut for the layer's window: 0 or its sliding
+    window), slot_mapping as for write_kv_cache.
     Returns the layer's output."""
     return torch.ops.octavo.decode_layer(
         hidden, residual, *layer_args, cos, sin, kv_cache, slot_mapping, block_table, seq_lens

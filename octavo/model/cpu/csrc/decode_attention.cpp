@@ -1,5 +1,6 @@
 // Paged decode attention: one query token per sequence over its blocks in the paged cache.
 
+#include "bf16_dot.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -638,15 +639,212 @@ void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
 }
 #endif
 
+#ifdef OCTAVO_AVX512BF16
+// The bfloat16-products version over a bfloat16 cache (AVX512-BF16's vdpbf16ps): each head's
+// query is scaled and rounded to bfloat16 once, so that a key's score is D / 32 pair dot
+// products instead of D / 16 FMAs on widened halves; the softmax's weights are rounded to
+// bfloat16 too, and two value rows at a time are interleaved into pairs (t, t + 1) for the
+// weighted sum. The same rounding as the prompt kernel's bfloat16 products
+// (prefill_attention.cpp); float32 sums, the softmax in float32.
+
+// q . k for the n <= 16 key rows k + t * stride, in the first n lanes (the rest 0): the query's
+// D / 32 pair vectors against each row's, the sixteen reduced together (hsum16).
+template <int D>
+inline __m512 scores16_bf16(const __m512bh* q, const c10::BFloat16* k, int64_t stride,
+                            int64_t n) {
+  __m512 p[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const c10::BFloat16* row = k + t * stride;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0],
+                                  (__m512bh)_mm512_loadu_si512(row));
+#pragma GCC unroll 4
+      for (int j = 1; j < D / 32; ++j) {
+        a = _mm512_dpbf16_ps(a, q[j], (__m512bh)_mm512_loadu_si512(row + 32 * j));
+      }
+      p[t] = a;
+    } else {
+      p[t] = _mm512_setzero_ps();
+    }
+  }
+  return hsum16(p);
+}
+
+// acc[h] += sum_t w[h * w_stride + t] * row_t for the HB heads that share the n value rows
+// row + t * stride, two rows at a time: their 32-value runs interleaved by 16-bit elements
+// (unpacklo / unpackhi per 128-bit lane) are pair vectors (row_t[i], row_t+1[i]) that one
+// vdpbf16ps multiplies by the broadcast weight pair (w_t, w_t+1). An odd last row pairs with
+// zeros. acc is kept in that interleaved order (unpack_order_store puts it back).
+template <int D, int HB>
+inline void weighted_rows16_bf16(float* acc, const c10::BFloat16* w, int64_t w_stride,
+                                 const c10::BFloat16* row, int64_t stride, int64_t n) {
+  __m512 a[HB][D / 16];
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j) a[h][j] = _mm512_loadu_ps(acc + h * D + 16 * j);
+  }
+  for (int64_t t = 0; t < n; t += 2, row += 2 * stride) {
+    __m512bh v[D / 16];
+    const bool pair = t + 1 < n;
+#pragma GCC unroll 4
+    for (int j = 0; j < D / 32; ++j) {
+      const __m512i r0 = _mm512_loadu_si512(row + 32 * j);
+      const __m512i r1 = pair ? _mm512_loadu_si512(row + stride + 32 * j) : _mm512_setzero_si512();
+      v[2 * j] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+      v[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h) {
+      const __m512bh wt = broadcast_pair(w + h * w_stride + t);
+#pragma GCC unroll 8
+      for (int j = 0; j < D / 16; ++j) a[h][j] = _mm512_dpbf16_ps(a[h][j], v[j], wt);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[h][j]);
+  }
+}
+
+// weighted_rows16_bf16 for `heads` heads, in calls of up to kValueHeads<D>.
+template <int D>
+inline void weighted_heads_bf16(float* acc, const c10::BFloat16* w, int64_t w_stride,
+                                const c10::BFloat16* row, int64_t stride, int64_t n,
+                                int64_t heads) {
+  for (int64_t h = 0; h < heads; h += kValueHeads<D>) {
+    float* a = acc + h * D;
+    const c10::BFloat16* wh = w + h * w_stride;
+    switch (std::min<int64_t>(kValueHeads<D>, heads - h)) {
+      case 1: weighted_rows16_bf16<D, 1>(a, wh, w_stride, row, stride, n); break;
+      case 2: weighted_rows16_bf16<D, 2>(a, wh, w_stride, row, stride, n); break;
+      case 3:
+        if constexpr (kValueHeads<D> >= 3) {
+          weighted_rows16_bf16<D, 3>(a, wh, w_stride, row, stride, n);
+        }
+        break;
+      default:
+        if constexpr (kValueHeads<D> >= 4) {
+          weighted_rows16_bf16<D, 4>(a, wh, w_stride, row, stride, n);
+        }
+        break;
+    }
+  }
+}
+
+// 32 sums of a run in weighted_rows16_bf16's interleaved order (lo, hi: 128-bit lane L holds
+// elements 8 L .. 8 L + 3 in lo, 8 L + 4 .. 8 L + 7 in hi), times inv, stored in order.
+inline void unpack_order_store(float* out, __m512 lo, __m512 hi, __m512 inv) {
+  lo = _mm512_mul_ps(lo, inv);
+  hi = _mm512_mul_ps(hi, inv);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi));
+}
+
+template <int D>
+void paged_decode_attention_bf16(const PagedArgs<c10::BFloat16>& a, double scale) {
+  using bf16 = c10::BFloat16;
+  const int64_t item_width = a.kv_per_item * D;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;   // (heads_per_item, seq_len), exps after the softmax's first pass
+    std::vector<bf16> weights;   // (heads_per_item, seq_len + 1): the exps in bfloat16, 0 after
+    std::vector<float> acc;      // (heads_per_item, D), in weighted_rows16_bf16's order
+    std::vector<float> inv_sum(a.heads_per_item);
+    std::vector<__m512bh> qb(a.heads_per_item * (D / 32));  // scaled queries in bfloat16
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / a.items_per_seq;
+      const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
+      const int64_t seq_len = a.lens[seq];
+      const int32_t* blocks = a.table + seq * a.max_blocks;
+      const float* q = a.q_base + (seq * a.num_heads) * D + offset * a.group;
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        for (int j = 0; j < D / 32; ++j) {
+          const float* qj = q + h * D + 32 * j;
+          qb[h * (D / 32) + j] = (__m512bh)to_bf16(_mm512_mul_ps(_mm512_loadu_ps(qj), vscale),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(qj + 16), vscale));
+        }
+      }
+      scores.resize(a.heads_per_item * seq_len);
+      int64_t n_values_first = 0, n_keys_next = 0;
+      const bf16* values_first = first_block(a, a.v_base, seq, offset, n_values_first);
+      const bf16* keys_next = nullptr;
+      if (item + 1 < end) {
+        keys_next = first_block(a, a.k_base, (item + 1) / a.items_per_seq,
+                                ((item + 1) % a.items_per_seq) * item_width, n_keys_next);
+      }
+      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const bf16* block, const bf16* next,
+                         int64_t n_next) {
+        const int64_t runs = (n + 15) / 16;
+        for (int64_t h = 0; h < a.heads_per_item; ++h) {
+          const bf16* k = block + (h / a.group) * D;
+          float* dst = scores.data() + h * seq_len + start;
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            prefetch_share(next, n_next, h * runs + t0 / 16, a.heads_per_item * runs,
+                           a.slot_stride, item_width);
+            const int64_t nt = std::min<int64_t>(16, n - t0);
+            const __m512 s = scores16_bf16<D>(qb.data() + h * (D / 32), k + t0 * a.slot_stride,
+                                              a.slot_stride, nt);
+            _mm512_mask_storeu_ps(dst + t0, static_cast<__mmask16>((1u << nt) - 1), s);
+          }
+        }
+      }, values_first, n_values_first);
+      const int64_t w_stride = seq_len + 1;
+      weights.resize(a.heads_per_item * w_stride);
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        float* s = scores.data() + h * seq_len;
+        shape_scores(a, s, seq_len);
+        const float max_score = max_of(s, seq_len);
+        inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
+        bf16* w = weights.data() + h * w_stride;
+        int64_t t = 0;
+        for (; t + 32 <= seq_len; t += 32) {
+          _mm512_storeu_si512(w + t, to_bf16(_mm512_loadu_ps(s + t), _mm512_loadu_ps(s + t + 16)));
+        }
+        for (; t < seq_len; ++t) w[t] = c10::BFloat16(s[t]);
+        w[seq_len] = c10::BFloat16(0.f);
+      }
+      acc.assign(a.heads_per_item * D, 0.f);
+      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
+                     [&](int64_t start, int64_t n, const bf16* block, const bf16* next,
+                         int64_t n_next) {
+        constexpr int64_t kRun = 32;
+        const int64_t runs = (n + kRun - 1) / kRun;
+        for (int64_t t0 = 0; t0 < n; t0 += kRun) {
+          for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
+            prefetch_share(next, n_next, (t0 / kRun) * a.kv_per_item + kv, runs * a.kv_per_item,
+                           a.slot_stride, item_width);
+            weighted_heads_bf16<D>(acc.data() + kv * a.group * D,
+                                   weights.data() + kv * a.group * w_stride + start + t0, w_stride,
+                                   block + t0 * a.slot_stride + kv * D, a.slot_stride,
+                                   std::min(kRun, n - t0), a.group);
+          }
+        }
+      }, keys_next, n_keys_next);
+      float* out_row = a.out_base + (seq * a.num_heads) * D + offset * a.group;
+      for (int64_t h = 0; h < a.heads_per_item; ++h) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int64_t i = 0; i < D; i += 32) {
+          const float* sums = acc.data() + h * D + i;
+          unpack_order_store(out_row + h * D + i, _mm512_loadu_ps(sums),
+                             _mm512_loadu_ps(sums + 16), inv);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // The AVX-512 version for head_dim 64 or 128, the AVX2 one where head_dim allows it, else the
 // generic loops.
 template <typename cache_t>
-void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
-                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 double scale, int64_t window, double softcap) {
-  const PagedArgs<cache_t> args(out, query, key_cache, value_cache, block_table, seq_lens,
-                                window, softcap);
+void paged_decode_attention_impl(const PagedArgs<cache_t>& args, double scale) {
 #ifdef OCTAVO_AVX512
   if (args.head_dim == 64) {
     paged_decode_attention_avx512<64>(args, scale);
@@ -666,19 +864,37 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   paged_decode_attention_generic(args, scale);
 }
 
+// bfloat16 products where this build has them for the head size, else false.
+bool bf16_decode(const PagedArgs<c10::BFloat16>& args, double scale) {
+#ifdef OCTAVO_AVX512BF16
+  if (args.head_dim == 64) {
+    paged_decode_attention_bf16<64>(args, scale);
+    return true;
+  }
+  if (args.head_dim == 128) {
+    paged_decode_attention_bf16<128>(args, scale);
+    return true;
+  }
+#endif
+  return false;
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale, int64_t window,
-                                  double softcap) {
+                                  double softcap, bool bf16_products) {
   at::Tensor out = at::empty_like(query);
   if (key_cache.scalar_type() == at::kBFloat16) {
-    paged_decode_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_table,
-                                               seq_lens, scale, window, softcap);
+    const PagedArgs<c10::BFloat16> args(out, query, key_cache, value_cache, block_table,
+                                        seq_lens, window, softcap);
+    if (!(bf16_products && bf16_decode(args, scale))) paged_decode_attention_impl(args, scale);
   } else {
-    paged_decode_attention_impl<float>(out, query, key_cache, value_cache, block_table,
-                                       seq_lens, scale, window, softcap);
+    TORCH_CHECK(!bf16_products, "paged_decode_attention: bf16_products needs a bfloat16 cache");
+    const PagedArgs<float> args(out, query, key_cache, value_cache, block_table, seq_lens,
+                                window, softcap);
+    paged_decode_attention_impl(args, scale);
   }
   return out;
 }

@@ -139,7 +139,8 @@ struct Projections {
 //   q, k, v <- split(x @ Wqkv^T + b); q/k norms where given (per head: Qwen3; over the
 //   projections: OLMoE);
 //   rotary on q and k; k, v -> cache at slot_mapping
-//   x <- paged_attention(q) @ Wo^T + b     (block_table and seq_lens cut for `window`, if any)
+//   x <- paged_attention(q) @ Wo^T + b     (block_table and seq_lens cut for `window`, if any;
+//                                           bf16_attention: its bfloat16 products)
 //   x <- x * residual_multiplier                                        (Granite; else 1)
 //   residual <- x + residual; x <- post_norm(residual)
 //   returns down(silu(gate(x)) * up(x)) * residual_multiplier
@@ -164,8 +165,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& q_norm,
                         const c10::optional<at::Tensor>& k_norm, int64_t qk_norm_kind,
                         double residual_multiplier, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, double scale,
-                        int64_t window, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t num_kv_heads, int64_t head_dim, bool bf16_attention,
+                        double scale, int64_t window, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_table,
                         const at::Tensor& seq_lens) {
@@ -211,7 +212,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
   write_kv_cache(key, value, kv_cache, slot_mapping);
   const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
                                                  kv_cache.select(0, 1), block_table, seq_lens,
-                                                 scale, window, /*softcap=*/0.0);
+                                                 scale, window, /*softcap=*/0.0, bf16_attention);
   at::Tensor x = linear(attn.view({num_tokens, q_size}), 1, o_bias);
   // Granite scales each sublayer's output before its residual add (as the layer's forward).
   if (residual_multiplier != 1.0) x.mul_(residual_multiplier);

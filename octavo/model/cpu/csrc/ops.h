@@ -16,7 +16,7 @@ namespace octavo {
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale, int64_t window,
-                                  double softcap);
+                                  double softcap, bool bf16_products);
 
 // prefill_attention.cpp (tiles: the products in bfloat16 for a bfloat16 cache, on AMX tiles
 // where the OS grants them and `amx`, else by AVX512-BF16 dot products; where
@@ -75,8 +75,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
                         const c10::optional<at::Tensor>& q_norm,
                         const c10::optional<at::Tensor>& k_norm, int64_t qk_norm_kind,
                         double residual_multiplier, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, double scale,
-                        int64_t window, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t num_kv_heads, int64_t head_dim, bool bf16_attention,
+                        double scale, int64_t window, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& seq_lens);
 at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,

@@ -43,7 +43,8 @@ bool vectorized() {
 TORCH_LIBRARY(octavo, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_table, Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
+      "Tensor block_table, Tensor seq_lens, float scale, int window, float softcap, "
+      "bool bf16_products=False) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor query_start, Tensor query_lens, "
@@ -83,7 +84,8 @@ TORCH_LIBRARY(octavo, m) {
       "int[] tile_limits, int[] parts, ScalarType gemm_dtype, "
       "Tensor? qkv_bias, Tensor? o_bias, Tensor? gate_up_bias, Tensor? down_bias, "
       "Tensor? q_norm, Tensor? k_norm, int qk_norm_kind, float residual_multiplier, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, int window, Tensor cos, "
+      "int num_heads, int num_kv_heads, int head_dim, bool bf16_attention, float scale, "
+      "int window, Tensor cos, "
       "Tensor sin, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens) -> Tensor");
   m.def(
