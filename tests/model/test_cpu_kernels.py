@@ -262,16 +262,8 @@ def test_paged_decode_attention_in_bf16_is_the_reference_with_bf16_operands(
     rounding, within 2^-8 of the largest value's magnitude. Odd and even block lengths (value
     rows go two at a time), one sequence split by kv head and many by sequence."""
     seq_lens = [37] if few else [1, 2, block_size, block_size + 1, 37, 5 * block_size - 1]
-    query, *args = _paged_inputs(
-        len(seq_lens),
-        seq_lens,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        torch.bfloat16,
-        seed=num_heads + head_dim,
-    )
+    heads = (num_heads, num_kv_heads, head_dim)
+    query, *args = _paged_inputs(len(seq_lens), seq_lens, *heads, block_size, torch.bfloat16, 7)
     out = ops.paged_decode_attention(query, *args, scale, window, softcap, bf16_products=True)
     rounded = (query * scale).bfloat16().float() / scale
     expected = reference.paged_decode_attention_reference(rounded, *args, scale, window, softcap)
