@@ -551,101 +551,44 @@ inline void weighted_heads(float* acc, const float* p, int64_t p_stride, const c
   }
 }
 
-// The AVX-512 version for head_dim D (64 or 128). Scores: sixteen keys at a time against one
-// query head held in registers, reduced together (scores16); a block's keys of a kv head are
-// read from memory for its first query head and from L1 for the others. Values: each value row
-// loaded once for up to kValueHeads query heads (weighted_heads). The next block is asked for
-// in small shares as this one is read (one per sixteen keys of a head, one per 32 value rows of
-// a kv head), and the last block of a pass asks for the first of the next pass (keys -> values
-// -> the next item's keys). As in the AVX2 version, the softmax is normalised on the output.
-// 30 layers at 32 sequences x 320 tokens, bfloat16 / float32 cache: no prefetch 17.4 / 23.0 ms,
-// shares within a pass 14.6 / 21.8, across passes too 13.5 / 21.2.
+// What the AVX-512 kernel multiplies with, per work item, as two policies: FloatProducts
+// (float32 FMAs on the cache's values widened as they are loaded) and Bf16Products (below,
+// AVX512-BF16's pair dot products over a bfloat16 cache). queries(): the item's query heads as
+// the scores read them; scores(): sixteen keys' scaled scores of one head; weights(): the
+// softmax's exps as the value pass reads them; values(): a run of value rows into the heads'
+// accumulators; store(): one 32-value run of a head's accumulators, normalised, in order.
 template <int D, typename cache_t>
-void paged_decode_attention_avx512(const PagedArgs<cache_t>& a, double scale) {
-  const int64_t item_width = a.kv_per_item * D;
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-
-  at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // (heads_per_item, seq_len), exps after the softmax's first pass
-    std::vector<float> acc;     // (heads_per_item, D)
-    std::vector<float> inv_sum(a.heads_per_item);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / a.items_per_seq;
-      const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
-      const int64_t seq_len = a.lens[seq];
-      const int32_t* blocks = a.table + seq * a.max_blocks;
-      const float* q = a.q_base + (seq * a.num_heads) * D + offset * a.group;
-      scores.resize(a.heads_per_item * seq_len);
-      // The keys' last block prefetches the values' first, and the values' last the next
-      // item's first keys: one stream of prefetches through the item's work.
-      int64_t n_values_first = 0, n_keys_next = 0;
-      const cache_t* values_first = first_block(a, a.v_base, seq, offset, n_values_first);
-      const cache_t* keys_next = nullptr;
-      if (item + 1 < end) {
-        keys_next = first_block(a, a.k_base, (item + 1) / a.items_per_seq,
-                                ((item + 1) % a.items_per_seq) * item_width, n_keys_next);
-      }
-      for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
-                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
-                         int64_t n_next) {
-        const int64_t runs = (n + 15) / 16;
-        for (int64_t h = 0; h < a.heads_per_item; ++h) {
-          const cache_t* k = block + (h / a.group) * D;
-          float* dst = scores.data() + h * seq_len + start;
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            prefetch_share(next, n_next, h * runs + t0 / 16, a.heads_per_item * runs,
-                           a.slot_stride, item_width);
-            const int64_t nt = std::min<int64_t>(16, n - t0);
-            const __m512 s = _mm512_mul_ps(
-                scores16<D>(q + h * D, k + t0 * a.slot_stride, a.slot_stride, nt), vscale);
-            _mm512_mask_storeu_ps(dst + t0, static_cast<__mmask16>((1u << nt) - 1), s);
-          }
-        }
-      }, values_first, n_values_first);
-      for (int64_t h = 0; h < a.heads_per_item; ++h) {
-        float* s = scores.data() + h * seq_len;
-        shape_scores(a, s, seq_len);
-        const float max_score = max_of(s, seq_len);
-        inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
-      }
-      acc.assign(a.heads_per_item * D, 0.f);
-      for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
-                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
-                         int64_t n_next) {
-        constexpr int64_t kRun = 32;
-        const int64_t runs = (n + kRun - 1) / kRun;
-        for (int64_t t0 = 0; t0 < n; t0 += kRun) {
-          for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
-            prefetch_share(next, n_next, (t0 / kRun) * a.kv_per_item + kv, runs * a.kv_per_item,
-                           a.slot_stride, item_width);
-            weighted_heads<D>(acc.data() + kv * a.group * D,
-                              scores.data() + kv * a.group * seq_len + start + t0, seq_len,
-                              block + t0 * a.slot_stride + kv * D, a.slot_stride,
-                              std::min(kRun, n - t0), a.group);
-          }
-        }
-      }, keys_next, n_keys_next);
-      float* out_row = a.out_base + (seq * a.num_heads) * D + offset * a.group;
-      for (int64_t h = 0; h < a.heads_per_item; ++h) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        for (int64_t i = 0; i < D; i += 32) {
-          const float* sums = acc.data() + h * D + i;
-          Pairs<cache_t>::store(out_row + h * D + i, _mm512_mul_ps(_mm512_loadu_ps(sums), inv),
-                                _mm512_mul_ps(_mm512_loadu_ps(sums + 16), inv));
-        }
-      }
-    }
-  });
-}
+struct FloatProducts {
+  using cache = cache_t;
+  FloatProducts(int64_t /*heads*/, double scale)
+      : vscale(_mm512_set1_ps(static_cast<float>(scale))) {}
+  void queries(const float* q) { q_ = q; }
+  __m512 scores(int64_t h, const cache_t* k, int64_t stride, int64_t n) const {
+    return _mm512_mul_ps(scores16<D>(q_ + h * D, k, stride, n), vscale);
+  }
+  void weights(const float* /*scores*/, int64_t /*heads*/, int64_t /*seq_len*/) {}
+  void values(float* acc, const float* scores, int64_t h, int64_t seq_len, int64_t t,
+              const cache_t* row, int64_t stride, int64_t n, int64_t heads) const {
+    weighted_heads<D>(acc, scores + h * seq_len + t, seq_len, row, stride, n, heads);
+  }
+  static void store(float* out, const float* sums, __m512 inv) {
+    Pairs<cache_t>::store(out, _mm512_mul_ps(_mm512_loadu_ps(sums), inv),
+                          _mm512_mul_ps(_mm512_loadu_ps(sums + 16), inv));
+  }
+  const float* q_ = nullptr;
+  __m512 vscale;
+};
 #endif
 
 #ifdef OCTAVO_AVX512BF16
-// The bfloat16-products version over a bfloat16 cache (AVX512-BF16's vdpbf16ps): each head's
-// query is scaled and rounded to bfloat16 once, so that a key's score is D / 32 pair dot
-// products instead of D / 16 FMAs on widened halves; the softmax's weights are rounded to
-// bfloat16 too, and two value rows at a time are interleaved into pairs (t, t + 1) for the
+// The bfloat16 products over a bfloat16 cache (AVX512-BF16's vdpbf16ps; Bf16Products): each
+// head's query is scaled and rounded to bfloat16 once per item, so that a key's score is D / 32
+// pair dot products instead of D / 16 FMAs on widened halves; the softmax's weights are rounded
+// to bfloat16 too, and two value rows at a time are interleaved into pairs (t, t + 1) for the
 // weighted sum. The same rounding as the prompt kernel's bfloat16 products
-// (prefill_attention.cpp); float32 sums, the softmax in float32.
+// (prefill_attention.cpp); float32 sums, the softmax in float32. Against the float kernel
+// (30 layers, 320 tokens a sequence, Zen 4): 0.86-0.91x the time at 1-32 sequences from
+// memory, 0.68x from L3.
 
 // q . k for the n <= 16 key rows k + t * stride, in the first n lanes (the rest 0): the query's
 // D / 32 pair vectors against each row's, the sixteen reduced together (hsum16).
@@ -745,74 +688,115 @@ inline void unpack_order_store(float* out, __m512 lo, __m512 hi, __m512 inv) {
       lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi));
 }
 
+// The policy of paged_decode_attention_avx512 for bfloat16 products (see FloatProducts).
 template <int D>
-void paged_decode_attention_bf16(const PagedArgs<c10::BFloat16>& a, double scale) {
-  using bf16 = c10::BFloat16;
+struct Bf16Products {
+  using cache = c10::BFloat16;
+  Bf16Products(int64_t heads, double scale)
+      : vscale(_mm512_set1_ps(static_cast<float>(scale))), qb(heads * (D / 32)) {}
+  void queries(const float* q) {
+    for (size_t i = 0; i < qb.size(); ++i) {
+      const float* qi = q + 32 * i;
+      qb[i] = (__m512bh)to_bf16(_mm512_mul_ps(_mm512_loadu_ps(qi), vscale),
+                                _mm512_mul_ps(_mm512_loadu_ps(qi + 16), vscale));
+    }
+  }
+  __m512 scores(int64_t h, const cache* k, int64_t stride, int64_t n) const {
+    return scores16_bf16<D>(qb.data() + h * (D / 32), k, stride, n);
+  }
+  // (heads, seq_len + 1): the exps in bfloat16, a 0 after each head's (an odd last value row's
+  // pair reads it).
+  void weights(const float* scores, int64_t heads, int64_t seq_len) {
+    w_stride = seq_len + 1;
+    w.resize(heads * w_stride);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* s = scores + h * seq_len;
+      cache* wh = w.data() + h * w_stride;
+      int64_t t = 0;
+      for (; t + 32 <= seq_len; t += 32) {
+        _mm512_storeu_si512(wh + t, to_bf16(_mm512_loadu_ps(s + t), _mm512_loadu_ps(s + t + 16)));
+      }
+      for (; t < seq_len; ++t) wh[t] = cache(s[t]);
+      wh[seq_len] = cache(0.f);
+    }
+  }
+  void values(float* acc, const float* /*scores*/, int64_t h, int64_t /*seq_len*/, int64_t t,
+              const cache* row, int64_t stride, int64_t n, int64_t heads) const {
+    weighted_heads_bf16<D>(acc, w.data() + h * w_stride + t, w_stride, row, stride, n, heads);
+  }
+  static void store(float* out, const float* sums, __m512 inv) {
+    unpack_order_store(out, _mm512_loadu_ps(sums), _mm512_loadu_ps(sums + 16), inv);
+  }
+  __m512 vscale;
+  std::vector<__m512bh> qb;  // (heads, D / 32): the scaled queries in bfloat16
+  std::vector<cache> w;
+  int64_t w_stride = 0;
+};
+#endif
+
+#ifdef OCTAVO_AVX512
+// The AVX-512 version for head_dim D (64 or 128), its products those of the policy P
+// (FloatProducts, Bf16Products). Scores: sixteen keys at a time against one query head,
+// reduced together; a block's keys of a kv head are read from memory for its first query head
+// and from L1 for the others. Values: each value row loaded once for up to kValueHeads query
+// heads. The next block is asked for in small shares as this one is read (one per sixteen keys
+// of a head, one per 32 value rows of a kv head), and the last block of a pass asks for the
+// first of the next pass (keys -> values -> the next item's keys). As in the AVX2 version, the
+// softmax is normalised on the output.
+// 30 layers at 32 sequences x 320 tokens, bfloat16 / float32 cache: no prefetch 17.4 / 23.0 ms,
+// shares within a pass 14.6 / 21.8, across passes too 13.5 / 21.2.
+template <int D, typename P>
+void paged_decode_attention_avx512(const PagedArgs<typename P::cache>& a, double scale) {
+  using cache_t = typename P::cache;
   const int64_t item_width = a.kv_per_item * D;
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   at::parallel_for(0, a.num_seqs * a.items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;   // (heads_per_item, seq_len), exps after the softmax's first pass
-    std::vector<bf16> weights;   // (heads_per_item, seq_len + 1): the exps in bfloat16, 0 after
-    std::vector<float> acc;      // (heads_per_item, D), in weighted_rows16_bf16's order
+    P products(a.heads_per_item, scale);
+    std::vector<float> scores;  // (heads_per_item, seq_len), exps after the softmax's first pass
+    std::vector<float> acc;     // (heads_per_item, D), in the order P's value products keep
     std::vector<float> inv_sum(a.heads_per_item);
-    std::vector<__m512bh> qb(a.heads_per_item * (D / 32));  // scaled queries in bfloat16
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / a.items_per_seq;
       const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
       const int64_t seq_len = a.lens[seq];
       const int32_t* blocks = a.table + seq * a.max_blocks;
-      const float* q = a.q_base + (seq * a.num_heads) * D + offset * a.group;
-      for (int64_t h = 0; h < a.heads_per_item; ++h) {
-        for (int j = 0; j < D / 32; ++j) {
-          const float* qj = q + h * D + 32 * j;
-          qb[h * (D / 32) + j] = (__m512bh)to_bf16(_mm512_mul_ps(_mm512_loadu_ps(qj), vscale),
-                                                   _mm512_mul_ps(_mm512_loadu_ps(qj + 16), vscale));
-        }
-      }
+      products.queries(a.q_base + (seq * a.num_heads) * D + offset * a.group);
       scores.resize(a.heads_per_item * seq_len);
+      // The keys' last block prefetches the values' first, and the values' last the next
+      // item's first keys: one stream of prefetches through the item's work.
       int64_t n_values_first = 0, n_keys_next = 0;
-      const bf16* values_first = first_block(a, a.v_base, seq, offset, n_values_first);
-      const bf16* keys_next = nullptr;
+      const cache_t* values_first = first_block(a, a.v_base, seq, offset, n_values_first);
+      const cache_t* keys_next = nullptr;
       if (item + 1 < end) {
         keys_next = first_block(a, a.k_base, (item + 1) / a.items_per_seq,
                                 ((item + 1) % a.items_per_seq) * item_width, n_keys_next);
       }
       for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
-                     [&](int64_t start, int64_t n, const bf16* block, const bf16* next,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
         const int64_t runs = (n + 15) / 16;
         for (int64_t h = 0; h < a.heads_per_item; ++h) {
-          const bf16* k = block + (h / a.group) * D;
+          const cache_t* k = block + (h / a.group) * D;
           float* dst = scores.data() + h * seq_len + start;
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
             prefetch_share(next, n_next, h * runs + t0 / 16, a.heads_per_item * runs,
                            a.slot_stride, item_width);
             const int64_t nt = std::min<int64_t>(16, n - t0);
-            const __m512 s = scores16_bf16<D>(qb.data() + h * (D / 32), k + t0 * a.slot_stride,
-                                              a.slot_stride, nt);
+            const __m512 s = products.scores(h, k + t0 * a.slot_stride, a.slot_stride, nt);
             _mm512_mask_storeu_ps(dst + t0, static_cast<__mmask16>((1u << nt) - 1), s);
           }
         }
       }, values_first, n_values_first);
-      const int64_t w_stride = seq_len + 1;
-      weights.resize(a.heads_per_item * w_stride);
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         float* s = scores.data() + h * seq_len;
         shape_scores(a, s, seq_len);
         const float max_score = max_of(s, seq_len);
         inv_sum[h] = 1.f / exp_shifted_sum(s, seq_len, max_score);
-        bf16* w = weights.data() + h * w_stride;
-        int64_t t = 0;
-        for (; t + 32 <= seq_len; t += 32) {
-          _mm512_storeu_si512(w + t, to_bf16(_mm512_loadu_ps(s + t), _mm512_loadu_ps(s + t + 16)));
-        }
-        for (; t < seq_len; ++t) w[t] = c10::BFloat16(s[t]);
-        w[seq_len] = c10::BFloat16(0.f);
       }
+      products.weights(scores.data(), a.heads_per_item, seq_len);
       acc.assign(a.heads_per_item * D, 0.f);
       for_each_block(a.v_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
-                     [&](int64_t start, int64_t n, const bf16* block, const bf16* next,
+                     [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
                          int64_t n_next) {
         constexpr int64_t kRun = 32;
         const int64_t runs = (n + kRun - 1) / kRun;
@@ -820,10 +804,9 @@ void paged_decode_attention_bf16(const PagedArgs<c10::BFloat16>& a, double scale
           for (int64_t kv = 0; kv < a.kv_per_item; ++kv) {
             prefetch_share(next, n_next, (t0 / kRun) * a.kv_per_item + kv, runs * a.kv_per_item,
                            a.slot_stride, item_width);
-            weighted_heads_bf16<D>(acc.data() + kv * a.group * D,
-                                   weights.data() + kv * a.group * w_stride + start + t0, w_stride,
-                                   block + t0 * a.slot_stride + kv * D, a.slot_stride,
-                                   std::min(kRun, n - t0), a.group);
+            products.values(acc.data() + kv * a.group * D, scores.data(), kv * a.group, seq_len,
+                            start + t0, block + t0 * a.slot_stride + kv * D, a.slot_stride,
+                            std::min(kRun, n - t0), a.group);
           }
         }
       }, keys_next, n_keys_next);
@@ -831,9 +814,7 @@ void paged_decode_attention_bf16(const PagedArgs<c10::BFloat16>& a, double scale
       for (int64_t h = 0; h < a.heads_per_item; ++h) {
         const __m512 inv = _mm512_set1_ps(inv_sum[h]);
         for (int64_t i = 0; i < D; i += 32) {
-          const float* sums = acc.data() + h * D + i;
-          unpack_order_store(out_row + h * D + i, _mm512_loadu_ps(sums),
-                             _mm512_loadu_ps(sums + 16), inv);
+          P::store(out_row + h * D + i, acc.data() + h * D + i, inv);
         }
       }
     }
@@ -847,11 +828,11 @@ template <typename cache_t>
 void paged_decode_attention_impl(const PagedArgs<cache_t>& args, double scale) {
 #ifdef OCTAVO_AVX512
   if (args.head_dim == 64) {
-    paged_decode_attention_avx512<64>(args, scale);
+    paged_decode_attention_avx512<64, FloatProducts<64, cache_t>>(args, scale);
     return;
   }
   if (args.head_dim == 128) {
-    paged_decode_attention_avx512<128>(args, scale);
+    paged_decode_attention_avx512<128, FloatProducts<128, cache_t>>(args, scale);
     return;
   }
 #endif
@@ -868,11 +849,11 @@ void paged_decode_attention_impl(const PagedArgs<cache_t>& args, double scale) {
 bool bf16_decode(const PagedArgs<c10::BFloat16>& args, double scale) {
 #ifdef OCTAVO_AVX512BF16
   if (args.head_dim == 64) {
-    paged_decode_attention_bf16<64>(args, scale);
+    paged_decode_attention_avx512<64, Bf16Products<64>>(args, scale);
     return true;
   }
   if (args.head_dim == 128) {
-    paged_decode_attention_bf16<128>(args, scale);
+    paged_decode_attention_avx512<128, Bf16Products<128>>(args, scale);
     return true;
   }
 #endif
