@@ -232,7 +232,7 @@ def bind(model: nn.Module) -> FusedDecodeLayers:
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,
-                getattr(attn.attn.backend, "decode_bf16", False),
+                attn.attn.backend.decode_bf16,
                 attn.attn.scale,
                 attn.attn.window,
             )

@@ -710,13 +710,8 @@ struct Bf16Products {
     w_stride = seq_len + 1;
     w.resize(heads * w_stride);
     for (int64_t h = 0; h < heads; ++h) {
-      const float* s = scores + h * seq_len;
       cache* wh = w.data() + h * w_stride;
-      int64_t t = 0;
-      for (; t + 32 <= seq_len; t += 32) {
-        _mm512_storeu_si512(wh + t, to_bf16(_mm512_loadu_ps(s + t), _mm512_loadu_ps(s + t + 16)));
-      }
-      for (; t < seq_len; ++t) wh[t] = cache(s[t]);
+      to_bf16_row(scores + h * seq_len, seq_len, wh);
       wh[seq_len] = cache(0.f);
     }
   }

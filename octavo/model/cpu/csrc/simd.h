@@ -79,6 +79,14 @@ inline void load_split32(const c10::BFloat16* p, __m512& low, __m512& high) {
 // Two vectors of floats as 32 bfloat16 (lo first), rounded to nearest even (c10::BFloat16's
 // rounding, in one instruction).
 inline __m512i to_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+// The n floats at src as bfloat16 at dst, the same rounding (32 at a time, then one by one).
+inline void to_bf16_row(const float* src, int64_t n, c10::BFloat16* dst) {
+  int64_t e = 0;
+  for (; e + 32 <= n; e += 32) {
+    _mm512_storeu_si512(dst + e, to_bf16(_mm512_loadu_ps(src + e), _mm512_loadu_ps(src + e + 16)));
+  }
+  for (; e < n; ++e) dst[e] = c10::BFloat16(src[e]);
+}
 #endif
 // The two halves of v added: the same sum in eight lanes.
 inline __m256 fold16(__m512 v) {

@@ -63,13 +63,7 @@ void bf16_rows(const at::Tensor& x, int64_t mp, int64_t kp, std::vector<c10::BFl
                     k * sizeof(c10::BFloat16));
         continue;
       }
-      const float* src = x.data_ptr<float>() + i * k;
-      int64_t e = 0;
-      for (; e + 32 <= k; e += 32) {
-        _mm512_storeu_si512(row + e,
-                            to_bf16(_mm512_loadu_ps(src + e), _mm512_loadu_ps(src + e + 16)));
-      }
-      for (; e < k; ++e) row[e] = c10::BFloat16(src[e]);
+      to_bf16_row(x.data_ptr<float>() + i * k, k, row);
     }
   });
 }
