@@ -372,10 +372,12 @@ def test_rotary_matches_torch_on_a_packed_view():
 
 def test_silu_and_mul_matches_torch():
     gen = torch.Generator().manual_seed(3)
-    gate_up = 6 * torch.randn(7, 2 * 37, generator=gen)  # 37: vector lanes and a scalar tail
+    # 61 = 3 x 16 + 8 + 5: 16-lane vectors (AVX-512), an 8-lane one (AVX2) and a scalar tail
+    gate_up = 6 * torch.randn(7, 2 * 61, generator=gen)
     gate_up[0, :8] = torch.tensor([-100.0, -88.5, -50.0, 0.0, 50.0, 88.5, 100.0, 1e30])
+    gate_up[1, 50:58] = gate_up[0, :8]  # the same values in the 8-lane part
     out = ops.silu_and_mul(gate_up)
-    assert out.shape == (7, 37)
+    assert out.shape == (7, 61)
     torch.testing.assert_close(out, reference.silu_and_mul_reference(gate_up), atol=1e-6, rtol=1e-5)
 
 
@@ -384,9 +386,9 @@ def test_silu_and_mul_of_bf16_rounds_the_float32_result_once():
     rounded once to bfloat16 as torch rounds: bit for bit, so a feed-forward may keep its
     activations in bfloat16 between two bf16 GEMMs (layers/mlp.py)."""
     gen = torch.Generator().manual_seed(4)
-    gate_up = (6 * torch.randn(9, 2 * 37, generator=gen)).bfloat16()
+    gate_up = (6 * torch.randn(9, 2 * 61, generator=gen)).bfloat16()
     out = ops.silu_and_mul(gate_up)
-    assert out.dtype == torch.bfloat16 and out.shape == (9, 37)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 61)
     assert torch.equal(out, ops.silu_and_mul(gate_up.float()).bfloat16())
 
 

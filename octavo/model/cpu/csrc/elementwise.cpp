@@ -117,6 +117,17 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 #endif
+#ifdef OCTAVO_AVX512
+// Sixteen floats, as store8 rounds them.
+inline void store16(c10::BFloat16* p, __m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+#endif
 
 template <typename T>
 void silu_and_mul_rows(const T* in, T* op, int64_t num_tokens, int64_t inter) {
@@ -128,6 +139,16 @@ void silu_and_mul_rows(const T* in, T* op, int64_t num_tokens, int64_t inter) {
       const T* up = gate + inter;
       T* o = op + t * inter;
       int64_t i = 0;
+#ifdef OCTAVO_AVX512
+      // The AVX2 loop's operations on sixteen lanes, so the same results in half the
+      // instructions (Zen 4, 2048 x 1536 bfloat16: 1.2-1.5 -> 0.75-0.86 ms).
+      const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp_any(_mm512_sub_ps(zero16, g));
+        store16(o + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one16, e)), load16(up + i)));
+      }
+#endif
 #ifdef OCTAVO_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= inter; i += 8) {

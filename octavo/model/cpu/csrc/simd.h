@@ -167,6 +167,9 @@ inline V exp_nonpositive(V x) {
 }
 // exp for any x: large arguments are clamped where the result still fits a float (~2e38).
 inline __m256 exp_any(__m256 x) { return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.3f))); }
+#ifdef OCTAVO_AVX512
+inline __m512 exp_any(__m512 x) { return exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.3f))); }
+#endif
 #endif
 
 // The largest of s[0, n) (-inf for none), in vector lanes: a scalar std::max loop is one
