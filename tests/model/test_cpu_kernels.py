@@ -281,6 +281,33 @@ def test_paged_decode_attention_refuses_bf16_products_over_a_float32_cache():
         ops.paged_decode_attention(*inputs, 0.3, bf16_products=True)
 
 
+# Head sizes 64 (the AVX-512 loops, and bfloat16 products where the CPU has them), 24 (AVX2)
+# and 20 (the generic loops).
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,bf16_products",
+    [(9, 3, 64, False), (9, 3, 64, True), (4, 2, 24, False), (2, 1, 20, False)],
+)
+def test_paged_decode_attention_reads_a_query_view_in_place(
+    num_heads, num_kv_heads, head_dim, bf16_products
+):
+    """The fused decode layer hands attention its rotated query where it lies, a view into the
+    wider q/k/v projection (heads contiguous, rows qkv's width apart): the same results as
+    the contiguous copy, bit for bit, with the kernel given the view itself."""
+    if bf16_products and not ops.bf16_tiles_available():
+        pytest.skip("the CPU has no avx512_bf16")
+    seq_lens = [1, 16, 17, 37, 79]
+    n, q_size = len(seq_lens), num_heads * head_dim
+    heads = (num_heads, num_kv_heads, head_dim)
+    query, *args = _paged_inputs(n, seq_lens, *heads, 16, torch.bfloat16, 5)
+    qkv = torch.randn(n, q_size + 2 * num_kv_heads * head_dim)
+    qkv[:, :q_size] = query.reshape(n, -1)
+    view = qkv[:, :q_size].view(n, num_heads, head_dim)
+    assert not view.is_contiguous() and ops.heads_contiguous(view)
+    out = torch.ops.octavo.paged_decode_attention(view, *args, 0.125, 0, 0.0, bf16_products)
+    expected = ops.paged_decode_attention(query, *args, 0.125, bf16_products=bf16_products)
+    assert out.is_contiguous() and torch.equal(out, expected)
+
+
 def test_paged_prefill_attention_reads_a_query_view_in_place():
     # The query as the model hands it over: a view into the wider q/k/v projection, its heads
     # contiguous within a token but tokens further apart.

@@ -25,10 +25,11 @@ def paged_decode_attention(
     softcap: float = 0.0,
     bf16_products: bool = False,
 ) -> Tensor:
-    """query: (num_seqs, num_heads, head_dim); key_cache, value_cache: (num_blocks, block_size,
-    num_kv_heads, head_dim), contiguous, float32 or bfloat16; block_table: (num_seqs,
-    max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1. Returns (num_seqs, num_heads,
-    head_dim) in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads).
+    """query: (num_seqs, num_heads, head_dim), read where it lies when float32 with its heads
+    contiguous within a sequence (heads_contiguous: a view into a wider projection);
+    key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous,
+    float32 or bfloat16; block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,)
+    int32, each >= 1. Returns (num_seqs, num_heads, head_dim), contiguous, in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads).
     window > 0: each query sees only its sequence's last `window` keys; softcap > 0: scores
     become softcap * tanh(score / softcap) before the softmax (Gemma 2). bf16_products (a
     bfloat16 cache only): the products in bfloat16 by AVX512-BF16 dot products, the scaled
@@ -36,7 +37,7 @@ def paged_decode_attention(
     paged_prefill_attention's `tiles`, where the build has them for the head size (64, 128;
     bf16_tiles_available()), else as without."""
     dtype = query.dtype
-    if not (dtype == torch.float32 and query.is_contiguous()):
+    if not (dtype == torch.float32 and heads_contiguous(query)):
         query = query.float().contiguous()
     out = torch.ops.octavo.paged_decode_attention(
         query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap, bf16_products

@@ -66,6 +66,7 @@ struct PagedArgs {
   float softcap;
   int64_t slot_stride;  // between consecutive tokens
   const float* q_base;
+  int64_t q_stride;  // between sequences' queries (a row of a wider projection, or heads x dim)
   float* out_base;
   const cache_t* k_base;
   const cache_t* v_base;
@@ -90,6 +91,7 @@ struct PagedArgs {
         softcap(static_cast<float>(softcap_)),
         slot_stride(num_kv_heads * head_dim),
         q_base(query.data_ptr<float>()),
+        q_stride(query.stride(0)),
         out_base(out.data_ptr<float>()),
         k_base(key_cache.data_ptr<cache_t>()),
         v_base(value_cache.data_ptr<cache_t>()),
@@ -126,7 +128,7 @@ void paged_decode_attention_generic(const PagedArgs<cache_t>& a, double scale) {
       const int64_t kv_first = (item % a.items_per_seq) * a.kv_per_item;
       const int64_t seq_len = a.lens[seq];
       const int32_t* blocks = a.table + seq * a.max_blocks;
-      const float* q = a.q_base + (seq * a.num_heads + kv_first * a.group) * a.head_dim;
+      const float* q = a.q_base + seq * a.q_stride + kv_first * a.group * a.head_dim;
       scores.resize(a.heads_per_item * seq_len);
       // Scores; each key row is read once for every query head it serves.
       for_each_token_row(a.k_base, blocks, seq_len, a.block_size, a.slot_stride,
@@ -340,7 +342,7 @@ void paged_decode_attention_tiled(const PagedArgs<cache_t>& a, double scale) {
       const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
       const int64_t seq_len = a.lens[seq];
       const int32_t* blocks = a.table + seq * a.max_blocks;
-      const float* q = a.q_base + (seq * a.num_heads) * a.head_dim + offset * a.group;
+      const float* q = a.q_base + seq * a.q_stride + offset * a.group;
       scores.resize(a.heads_per_item * seq_len);
       for_each_block(a.k_base, blocks, seq_len, a.block_size, a.slot_stride, offset,
                      [&](int64_t start, int64_t n, const cache_t* block, const cache_t* next,
@@ -755,7 +757,7 @@ void paged_decode_attention_avx512(const PagedArgs<typename P::cache>& a, double
       const int64_t offset = (item % a.items_per_seq) * item_width;  // first kv head's column
       const int64_t seq_len = a.lens[seq];
       const int32_t* blocks = a.table + seq * a.max_blocks;
-      products.queries(a.q_base + (seq * a.num_heads) * D + offset * a.group);
+      products.queries(a.q_base + seq * a.q_stride + offset * a.group);
       scores.resize(a.heads_per_item * seq_len);
       // The keys' last block prefetches the values' first, and the values' last the next
       // item's first keys: one stream of prefetches through the item's work.
@@ -861,7 +863,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale, int64_t window,
                                   double softcap, bool bf16_products) {
-  at::Tensor out = at::empty_like(query);
+  // The query's heads lie side by side in a row (its sequences may be rows of a wider
+  // projection: the fused layer's q, k and v); the output is contiguous.
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_decode_attention: each query's heads must be contiguous");
+  at::Tensor out = at::empty(query.sizes(), query.options());
   if (key_cache.scalar_type() == at::kBFloat16) {
     const PagedArgs<c10::BFloat16> args(out, query, key_cache, value_cache, block_table,
                                         seq_lens, window, softcap);

@@ -204,10 +204,10 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor residual, const at::Tensor
     rotary(query, cos, sin);
     rotary(key, cos, sin);
   } else {
+    // Attention reads the rotated query where it lies, a view into qkv.
     rotary(qkv.narrow(1, 0, q_size + kv_size)
                .view({num_tokens, num_heads + num_kv_heads, head_dim}),
            cos, sin);
-    query = query.contiguous();
   }
   write_kv_cache(key, value, kv_cache, slot_mapping);
   const at::Tensor attn = paged_decode_attention(query, kv_cache.select(0, 0),
