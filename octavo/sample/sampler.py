@@ -82,10 +82,13 @@ class Sampler(nn.Module):
         self,
         draw: Callable[[Tensor, Tensor], Tensor] | None = None,
         logprobs_mode: str = "raw_logprobs",
+        argmax: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         """draw(logits, uniform): step 10 as one function of the filtered (num_reqs, vocab)
         float32 logits (which it may overwrite) and (num_reqs, 1) uniforms in [0, 1), returning
         (num_reqs,) int64 with random_sample's meaning; None: softmax and random_sample.
+        argmax(logits): step 5's pick, (num_reqs,) int64 as logits.argmax(dim=1) gives it;
+        None: that.
         logprobs_mode: one of LOGPROBS_MODES (ValueError otherwise)."""
         super().__init__()
         if logprobs_mode not in LOGPROBS_MODES:
@@ -93,6 +96,7 @@ class Sampler(nn.Module):
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {logprobs_mode!r}."
             )
         self.draw = draw
+        self.argmax = argmax
         self.logprobs_mode = logprobs_mode
         self._raw = logprobs_mode.startswith("raw_")
         self._as_logprobs = logprobs_mode.endswith("_logprobs")
@@ -156,7 +160,7 @@ class Sampler(nn.Module):
         greedy = None
         if not metadata.all_random:
             # 5) Taken before temperature and the filters rewrite the logits.
-            greedy = logits.argmax(dim=1)
+            greedy = logits.argmax(dim=1) if self.argmax is None else self.argmax(logits)
             if metadata.all_greedy:
                 return greedy, self._reported(logits) if keep_processed else None
         # 6) - 9)

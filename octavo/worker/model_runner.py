@@ -157,8 +157,11 @@ class ModelRunner:
             max_blocks_per_req,
             len(self.group_windows),
         )
-        # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass.
-        self.sampler = Sampler(draw=backend.draw, logprobs_mode=logprobs_mode)
+        # On a CPU the draw (softmax, cumulative sum, search) is one kernel pass, and so is the
+        # greedy pick.
+        self.sampler = Sampler(
+            draw=backend.draw, logprobs_mode=logprobs_mode, argmax=backend.argmax
+        )
         # Seeded requests keep their generator across preemptions, so a preempted request
         # resumes its random stream where it stopped instead of replaying it.
         self.generators: dict[str, torch.Generator] = {}

@@ -57,7 +57,9 @@ def test_the_engine_config_carries_the_weight_dtype_and_the_cache_follows_it(
 def _choices(dtype, kv_dtype, **config) -> dict:
     backend = select_backend(CPU, dtype, kv_dtype, BackendConfig(**config))
     choices = backend.describe()
-    return {key: choices[key] for key in ("attention", "layer_ops", "sampler_draw")}
+    return {
+        key: choices[key] for key in ("attention", "layer_ops", "sampler_draw", "sampler_argmax")
+    }
 
 
 @kernels_built
@@ -66,6 +68,7 @@ def test_the_cpu_rules_pick_by_dtype_and_cache():
         "attention": "cpu_paged",
         "layer_ops": "cpu_kernels",
         "sampler_draw": "cpu_kernel" if build.vectorized() else "torch",
+        "sampler_argmax": "cpu_kernel" if build.vectorized() else "torch",
     }
     # bfloat16 compute: the paged kernels read the cache, the elementwise ops are torch's.
     assert _choices(BF16, BF16)["attention"] == "cpu_paged"
@@ -82,6 +85,7 @@ def test_without_kernels_everything_is_torch():
         "attention": "sdpa",
         "layer_ops": "torch",
         "sampler_draw": "torch",
+        "sampler_argmax": "torch",
     }
     assert backend.describe()["cpu_kernels"] == "off: cpu_kernels=False"
     model = torch.nn.Sequential(Linear(8, 8, bias=False))

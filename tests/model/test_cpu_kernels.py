@@ -419,6 +419,32 @@ def test_silu_and_mul_of_bf16_rounds_the_float32_result_once():
     assert torch.equal(out, ops.silu_and_mul(gate_up.float()).bfloat16())
 
 
+def test_argmax_rows_is_torchs_argmax():
+    """Rows of 1 to 3,000 values (the vector lanes and their tails), ties (torch takes the first
+    of equals, whichever lane or tail holds it), rows of -inf only, NaNs (torch takes the first
+    NaN: in the vector part, in the tail, two of them), -0.0 beside 0.0, and logits that are
+    not contiguous float32."""
+    gen = torch.Generator().manual_seed(6)
+    for trial in range(80):
+        rows, vocab = 9, int(torch.randint(1, 3000, (1,), generator=gen))
+        # Few distinct values, so that the largest repeats across lanes and the tail.
+        logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
+        logits[1] = float("-inf")
+        logits[2, int(torch.randint(0, vocab, (1,), generator=gen))] = float("nan")
+        logits[3, -1] = float("nan")
+        logits[4, vocab // 2 :] = float("nan")
+        logits[5] = 0.0
+        logits[5, vocab // 3] = -0.0
+        logits[6] = torch.randn(vocab, generator=gen)
+        logits[7, -1] = 1e30  # the largest in the last place (often the scalar tail)
+        got = ops.argmax_rows(logits)
+        assert got.dtype == torch.int64 and got.shape == (rows,)
+        assert torch.equal(got, logits.argmax(dim=1)), (trial, vocab)
+    wide = torch.randn(3, 2 * 1000, generator=gen)
+    assert torch.equal(ops.argmax_rows(wide[:, ::2]), wide[:, ::2].argmax(dim=1))
+    assert torch.equal(ops.argmax_rows(wide.double()), wide.argmax(dim=1))
+
+
 def test_sample_categorical_matches_the_torch_draw():
     """Logits where half the tokens were dropped by a filter (-inf), rows of 1 to 3,000 tokens
     (eight-token runs and tails), uniforms that include 0 and the largest float below 1: the

@@ -10,6 +10,8 @@ the backend settings (octavo.config.BackendConfig). The rules:
     cpu     any       any          off      sdpa        torch        dense     torch   -
     other   any       any          -        sdpa        torch        dense     torch   -
     (* float32 and bfloat16 weights; float16 ones stay dense)
+    (draw: the sampler's random draw and its greedy pick, the kernels' where they are
+    vectorised, else torch's)
 
 `attention_backend` other than "auto" overrides the attention column (the tests compare every
 backend with "reference" this way); asking for cpu_paged where it cannot run is a ValueError.
@@ -67,6 +69,8 @@ class ModelBackend:
     bf16_dequantized_gemm: bool = False
     # Why the kernels are off ("" when on).
     kernels_off_reason: str = ""
+    # The sampler's greedy pick (Sampler(argmax=...)); None: torch's argmax.
+    argmax: Callable[[Tensor], Tensor] | None = None
     # The float weight matrices' (linear layers', embeddings') dtype where it is not the compute
     # dtype; their GEMMs then run in it, the activations cast to it (formats/base.py).
     weight_dtype: torch.dtype | None = None
@@ -287,6 +291,7 @@ class ModelBackend:
             **self.attention.choices(),
             "layer_ops": self.ops.name,
             "sampler_draw": "cpu_kernel" if self.draw is not None else "torch",
+            "sampler_argmax": "cpu_kernel" if self.argmax is not None else "torch",
             "fused_decode_layer": self.fused_decode_layer,
             "weights": self.weights_report,
             "huge_pages": self.huge_pages and memory.huge_pages_supported(self.device),
@@ -324,11 +329,11 @@ def select_backend(
         from octavo.model.backends.cpu import CpuKernelOps
 
         ops = CpuKernelOps()
-    draw = None
+    draw = argmax = None
     if kernels and build.vectorized():
-        from octavo.model.cpu.ops import sample_categorical
+        from octavo.model.cpu.ops import argmax_rows, sample_categorical
 
-        draw = sample_categorical
+        draw, argmax = sample_categorical, argmax_rows
     return ModelBackend(
         device=device,
         dtype=dtype,
@@ -343,6 +348,7 @@ def select_backend(
             config.bf16_dequantized_gemm and dtype == torch.float32 and device.type == "cpu"
         ),
         kernels_off_reason=off_reason,
+        argmax=argmax,
         weight_dtype=None if weight_dtype == dtype else weight_dtype,
     )
 

@@ -26,15 +26,15 @@ def paged_decode_attention(
     bf16_products: bool = False,
 ) -> Tensor:
     """query: (num_seqs, num_heads, head_dim), read where it lies when float32 with its heads
-    contiguous within a sequence (heads_contiguous: a view into a wider projection);
-    key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous,
-    float32 or bfloat16; block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,)
-    int32, each >= 1. Returns (num_seqs, num_heads, head_dim), contiguous, in query's dtype. Query head h reads kv head h // (num_heads // num_kv_heads).
-    window > 0: each query sees only its sequence's last `window` keys; softcap > 0: scores
-    become softcap * tanh(score / softcap) before the softmax (Gemma 2). bf16_products (a
-    bfloat16 cache only): the products in bfloat16 by AVX512-BF16 dot products, the scaled
-    queries and the softmax weights rounded to bfloat16 (float32 sums), as
-    paged_prefill_attention's `tiles`, where the build has them for the head size (64, 128;
+    contiguous within a sequence (heads_contiguous: a view into a wider projection); key_cache,
+    value_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous, float32 or
+    bfloat16; block_table: (num_seqs, max_blocks) int32; seq_lens: (num_seqs,) int32, each >= 1.
+    Returns (num_seqs, num_heads, head_dim), contiguous, in query's dtype. Query head h reads kv
+    head h // (num_heads // num_kv_heads). window > 0: each query sees only its sequence's last
+    `window` keys; softcap > 0: scores become softcap * tanh(score / softcap) before the softmax
+    (Gemma 2). bf16_products (a bfloat16 cache only): the products in bfloat16 by AVX512-BF16
+    dot products, the scaled queries and the softmax weights rounded to bfloat16 (float32 sums),
+    as paged_prefill_attention's `tiles`, where the build has them for the head size (64, 128;
     bf16_tiles_available()), else as without."""
     dtype = query.dtype
     if not (dtype == torch.float32 and heads_contiguous(query)):
@@ -206,6 +206,15 @@ def sample_categorical(logits: Tensor, uniform: Tensor) -> Tensor:
     if not logits.is_contiguous():
         logits = logits.contiguous()
     return torch.ops.octavo.sample_categorical(logits, uniform.reshape(-1))
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """Each row's argmax of (rows, vocab) float32 logits, as logits.argmax(dim=1) gives it (the
+    first of equal values; a NaN counts as the largest), in one vectorised pass per row, the
+    rows spread over the threads (torch's is one scalar loop per row). Returns (rows,) int64."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
+    return torch.ops.octavo.argmax_rows(logits)
 
 
 def decode_layer(

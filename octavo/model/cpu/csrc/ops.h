@@ -86,6 +86,7 @@ at::Tensor moe_feed_forward(const at::Tensor& x, at::TensorList weights, at::Int
 
 // sampling.cpp
 at::Tensor sample_categorical(at::Tensor logits, const at::Tensor& uniform);
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 // registration.cpp: whether this build has the AVX2 paths (else every kernel runs plain loops).
 bool vectorized();

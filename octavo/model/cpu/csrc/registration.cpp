@@ -73,6 +73,7 @@ TORCH_LIBRARY(octavo, m) {
   m.def("rotary(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("sample_categorical(Tensor(a!) logits, Tensor uniform) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   // Whether this build has the AVX2 paths (else every kernel runs its plain loops).
   m.def("vectorized() -> bool", &octavo::vectorized);
   m.def(
@@ -108,6 +109,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("rotary", &octavo::rotary);
   m.impl("silu_and_mul", &octavo::silu_and_mul);
   m.impl("sample_categorical", &octavo::sample_categorical);
+  m.impl("argmax_rows", &octavo::argmax_rows);
   m.impl("write_kv_cache", &octavo::write_kv_cache);
   m.impl("decode_layer", &octavo::decode_layer);
   m.impl("moe_feed_forward", &octavo::moe_feed_forward);
